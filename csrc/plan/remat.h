@@ -1,0 +1,164 @@
+// Rematerialisation (activation checkpointing) solver: given the joint forward+backward graph of
+// one training step, decide which forward values the forward saves for the backward and which
+// the backward recomputes.
+//
+// The formulation is PyTorch's min-cut partitioner's (torch/_functorch/partitioners.py,
+// solve_min_cut), so results compare: every graph value v becomes two flow vertices v_in ->
+// v_out whose edge capacity is the cost of saving v; data edges u_out -> v_in are infinite;
+// values the backward needs are tied to the sink; values that must not be recomputed ("bans")
+// are tied to the source. The saved set is the set of v_in -> v_out edges in a minimum cut.
+//
+// What differs is where the bans come from (RematPolicy):
+//   kNone           every forward op is banned (views excepted): the forward saves exactly what
+//                   the backward reads, and nothing is recomputed.
+//   kDefault        PyTorch's own heuristics with its default config: only ops on its
+//                   recomputable allowlist may be recomputed (so never a matmul), plus its
+//                   materialised-in-backward, reduction, far-apart-use and long-fusible-chain
+//                   bans and its distance-to-backward weighting. The baseline.
+//   kSequenceAware  bans from a cost model evaluated at the actual sequence length. Attention,
+//                   collectives, random ops and ops the caller marked must_save are never
+//                   recomputed. Cheap ops (PyTorch's allowlist) are recomputable. Matmuls are
+//                   recomputable while their summed forward FLOPs stay within
+//                   recompute_flops_ratio x the step's attention FLOPs (forward + backward
+//                   attention nodes of this graph); candidates are admitted in order of bytes
+//                   saved per FLOP, most first. Capacities are bytes (plus a distance tie-break
+//                   that prefers saving values close to the backward).
+// With a MemoryBudget the solver instead finds the fewest matmul recomputations (same
+// admission order, FLOP cap lifted) whose saved bytes fit the budget, or throws.
+//
+// Example (a 2-op chain x -> mm -> relu, backward reads relu):
+//   nodes: x (kInput, primal), mm (kMatmul, 4 KiB, 1 MFLOP), relu (kCheap, 4 KiB) -> bwd
+//   kDefault:        mm banned (not on the allowlist); saves relu or mm (both 4 KiB).
+//   kSequenceAware with attention FLOPs 100 MFLOP and ratio 0.1: mm admitted; saves x.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace autosp {
+
+enum class RematOpKind : uint8_t {
+  kInput,       // a placeholder: primal, tangent, RNG seed/offset
+  kView,        // aliasing view (view, expand, permute, slice, ...): free to recompute
+  kCheap,       // on PyTorch's recomputable allowlist (pointwise, cheap reductions, ...)
+  kMatmul,      // mm / bmm / addmm / convolution / ...: compute intensive
+  kAttention,   // scaled-dot-product attention, forward or backward
+  kCollective,  // _c10d_functional collectives and wait_tensor
+  kRandom,      // ops that consume RNG state
+  kOther,       // anything else: never recomputed
+};
+
+enum class RematSaveCost : uint8_t {
+  kTensor,      // capacity from bytes
+  kSymInt,      // a SymInt/SymBool scalar: capacity 1
+  kSymFloat,    // a SymFloat scalar: capacity 4, and never banned (PyTorch's rule)
+  kFree,        // opaque objects / backward state: capacity 0
+  kUnsaveable,  // a non-tensor value that cannot be saved: infinite capacity
+};
+
+enum class RematPolicy : uint8_t { kNone, kDefault, kSequenceAware };
+
+// One node of the joint FX graph, in graph (topological) order. Filled by the Python partition
+// function from fake-tensor metadata evaluated at the real sizes.
+struct RematNode {
+  std::string name;    // the FX node name, unique
+  std::string target;  // op name for reports, e.g. "aten.mm.default"
+  std::string layer;   // module path for reports, e.g. "layers.3" ("" if unknown)
+  RematOpKind kind = RematOpKind::kOther;
+  RematSaveCost save_cost = RematSaveCost::kTensor;
+  int64_t bytes = 0;              // size of the value(s) this node produces
+  double flops = 0;               // FLOPs to compute this node once
+  bool required_fw = false;       // computed by the forward (NodeInfo.required_fw_nodes)
+  bool required_bw = false;       // computed by the backward (NodeInfo.required_bw_nodes)
+  bool tangents_closure = false;  // depends on a tangent (NodeInfo.tangents_closure)
+  bool primal_input = false;      // a primal or forward RNG seed placeholder: never recomputed
+  bool static_lifetime = false;   // a parameter/buffer input: free to save
+  bool must_save = false;         // tagged MUST_SAVE (collectives, effectful ops, ...)
+  bool must_recompute = false;    // tagged MUST/PREFER_RECOMPUTE by the user
+  bool fusible = false;           // on PyTorch's fusible list (allowlist + random ops)
+  bool getitem = false;           // operator.getitem: never banned by op-type rules
+  std::vector<int32_t> users;     // indices of user nodes (deduplicated)
+  // fusible_user[i]: PyTorch's is_fusible(this, users[i]) (both fusible, or users[i] is cat).
+  std::vector<uint8_t> fusible_user;
+  std::vector<int32_t> args;  // indices of the top-level Node arguments (for the reduction ban)
+
+  bool operator==(const RematNode&) const = default;
+};
+
+struct RematGraph {
+  std::vector<RematNode> nodes;
+  bool operator==(const RematGraph&) const = default;
+};
+
+struct RematOptions {
+  RematPolicy policy = RematPolicy::kSequenceAware;
+  // Sequence-aware: matmuls may be recomputed while their total forward FLOPs stay within this
+  // fraction of the step's attention FLOPs. 0 disables matmul recomputation.
+  double recompute_flops_ratio = 0.1;
+  // At most one of these: a cap on saved-for-backward bytes (parameters excluded), absolute or
+  // as a fraction of what kNone saves. Only with kSequenceAware.
+  std::optional<int64_t> budget_bytes;
+  std::optional<double> budget_fraction;
+  // PyTorch's torch._functorch.config.max_dist_from_bw, used by kDefault.
+  int max_dist_from_bw = 1000;
+
+  bool operator==(const RematOptions&) const = default;
+};
+
+enum class RematFate : uint8_t {
+  kBackwardOnly,  // not a forward node
+  kSaved,         // saved by the forward for the backward
+  kRecomputed,    // computed in the forward and again in the backward
+  kForwardOnly,   // computed in the forward only (the backward neither reads nor recomputes it)
+};
+
+struct RematLayerSummary {
+  std::string layer;
+  int64_t saved_bytes = 0;
+  int32_t saved_count = 0;
+  int32_t recomputed_count = 0;
+  int64_t recomputed_bytes = 0;
+  double recompute_flops = 0;
+
+  bool operator==(const RematLayerSummary&) const = default;
+};
+
+struct RematSolution {
+  std::vector<int32_t> saved;           // node indices, ascending
+  std::vector<int32_t> recomputed;      // forward node indices the backward recomputes, ascending
+  std::vector<RematFate> fate;          // per node
+  std::vector<std::string> ban_reason;  // per node, "" when not banned
+  int64_t saved_bytes = 0;              // sum over saved, static-lifetime inputs excluded
+  int64_t none_saved_bytes = 0;         // what kNone would save (the budget's reference)
+  int64_t budget_bytes = -1;            // the resolved budget, -1 if none
+  double recompute_flops = 0;           // sum of flops over recomputed
+  double attention_flops = 0;           // the step's attention FLOPs (sequence-aware reference)
+  double admitted_matmul_flops = 0;     // forward FLOPs of the matmuls allowed to recompute
+  int32_t admitted_matmuls = 0;
+  int64_t cut_value = 0;  // the min-cut value in capacity units
+  int32_t flow_vertices = 0;
+  int32_t flow_edges = 0;
+  int32_t solves = 0;                     // max-flow solves (several when searching a budget)
+  std::vector<RematLayerSummary> layers;  // in order of first appearance
+
+  bool operator==(const RematSolution&) const = default;
+};
+
+// Decides the saved set for `graph` under `options`.
+//
+// Throws std::invalid_argument ("[remat] ...") for a malformed graph (an index out of range, a
+// user before its producer, fusible_user not matching users) or options (both budgets, a
+// budget with a policy other than kSequenceAware, a negative ratio), and std::runtime_error
+// ("[remat] ...") when no finite cut exists (a value the backward needs can be neither saved
+// nor recomputed; the message names the nodes on the offending path) or when no set of
+// recomputations meets the memory budget (the message gives the budget and the smallest
+// achievable saved bytes).
+RematSolution solve_remat(const RematGraph& graph, const RematOptions& options);
+
+const char* to_string(RematPolicy policy);
+const char* to_string(RematOpKind kind);
+const char* to_string(RematFate fate);
+
+}  // namespace autosp
