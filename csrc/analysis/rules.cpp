@@ -1,0 +1,460 @@
+#include "analysis/rules.h"
+
+#include <algorithm>
+#include <map>
+
+namespace autosp {
+
+namespace {
+
+constexpr const char* kPass = "placement";
+
+const Value& input_value(const RuleInput& r, size_t i) { return r.graph.value(r.node.inputs[i]); }
+const Value& output_value(const RuleInput& r, size_t i) {
+  return r.graph.value(r.node.outputs[i]);
+}
+
+RuleResult keep_all(const RuleInput& r, std::vector<Placement> out) {
+  RuleResult res;
+  res.out = std::move(out);
+  res.operands.assign(r.node.inputs.size(), OperandChange::keep());
+  return res;
+}
+
+std::vector<Placement> all_replicate(const RuleInput& r) {
+  return std::vector<Placement>(r.node.outputs.size(), Placement::replicate());
+}
+
+bool all_replicate_inputs(const RuleInput& r) {
+  return std::all_of(r.in.begin(), r.in.end(), [](const Placement& p) { return p.is_replicate(); });
+}
+
+std::string describe_input(const RuleInput& r, size_t i) {
+  const Value& v = input_value(r, i);
+  return "input " + std::to_string(i) + " " + v.dtype + shape_str(v.shape) + " placed " +
+         r.in[i].str();
+}
+
+[[noreturn]] void conflict(const RuleInput& r, const std::string& found, const std::string& expected,
+                           const std::string& hint = "") {
+  throw PlanError(kPass, r.node, found, expected, hint);
+}
+
+// Index of the (first) sharded input, or -1.
+int first_shard(const RuleInput& r) {
+  for (size_t i = 0; i < r.in.size(); ++i)
+    if (r.in[i].is_shard()) return static_cast<int>(i);
+  return -1;
+}
+
+int norm_dim(int64_t d, int rank) {
+  if (d < 0) d += rank;
+  return static_cast<int>(d);
+}
+
+// ---- elementwise with broadcasting -------------------------------------------------------
+
+RuleResult rule_elementwise(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const Value& out = output_value(r, 0);
+  const int ro = out.rank();
+  // The output placement, from the sharded operands (aligned from the right).
+  std::optional<Placement> shard;
+  int from = -1;
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (!r.in[i].is_shard()) continue;
+    const int offset = ro - input_value(r, i).rank();
+    Placement p = Placement::shard(r.in[i].dim + offset, r.in[i].inner);
+    if (shard && !(*shard == p))
+      conflict(r,
+               describe_input(r, from) + " and " + describe_input(r, i) +
+                   ", sharded on different output dims (" + shard->str() + " vs " + p.str() + ")",
+               "operands sharded on the same sequence dim",
+               "Both operands carry the sequence; their layouts differ. Check that the two "
+               "tensors index the sequence the same way.");
+    shard = p;
+    from = static_cast<int>(i);
+  }
+  if (!shard) conflict(r, "partial operands", "replicate or sharded operands");
+  RuleResult res;
+  res.out.assign(r.node.outputs.size(), *shard);
+  res.operands.assign(r.in.size(), OperandChange::keep());
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (r.node.inputs[i] < 0 || !r.in[i].is_replicate()) continue;
+    const Value& v = input_value(r, i);
+    if (!v.is_tensor()) continue;
+    const int k = shard->dim - (ro - v.rank());
+    if (k < 0) continue;  // broadcast along a dim the operand lacks
+    if (v.shape[k].is_one()) continue;
+    if (!(v.shape[k] == out.shape[shard->dim]))
+      conflict(r, describe_input(r, i) + " whose dim " + std::to_string(k) + " is " + v.shape[k].str(),
+               "size " + out.shape[shard->dim].str() + " or 1 along the sharded dim");
+    res.operands[i] = OperandChange::slice(k, shard->inner);
+  }
+  return res;
+}
+
+// ---- reductions ------------------------------------------------------------------------
+
+std::vector<int> reduced_dims(const RuleInput& r, int rank) {
+  std::vector<int> dims;
+  for (int64_t d : r.node.ints_attr("dims")) dims.push_back(norm_dim(d, rank));
+  if (dims.empty())
+    for (int d = 0; d < rank; ++d) dims.push_back(d);
+  return dims;
+}
+
+RuleResult rule_reduction(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Value& x = input_value(r, 0);
+  const auto dims = reduced_dims(r, x.rank());
+  const bool keepdim = r.node.bool_attr("keepdim", false);
+  const Placement& p = r.in[0];
+  if (std::find(dims.begin(), dims.end(), p.dim) == dims.end()) {
+    int d = p.dim;
+    if (!keepdim) d -= static_cast<int>(std::count_if(dims.begin(), dims.end(), [&](int k) { return k < p.dim; }));
+    return keep_all(r, std::vector<Placement>(r.node.outputs.size(), Placement::shard(d, p.inner)));
+  }
+  if (r.node.op == "sum") return keep_all(r, {Placement::partial()});
+  if (r.node.op == "mean") {
+    RuleResult res = keep_all(r, {Placement::partial()});
+    res.expansion = "mean_partial";
+    return res;
+  }
+  conflict(r, describe_input(r, 0) + ", reduced along the sharded sequence dim " + std::to_string(p.dim),
+           "a sum or mean (which reduce exactly across ranks), or a reduction over other dims",
+           "Reductions such as max/logsumexp/var over the whole sequence are not supported yet.");
+}
+
+// ---- ops along one dim that must not be the sharded one (softmax, cumsum, ...) ---------
+
+RuleResult rule_along_dim(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const int d = norm_dim(r.node.int_attr("dim", -1), input_value(r, 0).rank());
+  if (d == r.in[0].dim)
+    conflict(r, describe_input(r, 0) + ", and the op works along dim " + std::to_string(d),
+             "an op along a dim other than the sharded sequence dim",
+             "Each rank holds only its chunk of the sequence, so '" + r.node.op +
+                 "' along it would be wrong; compute it before the sequence is sharded or "
+                 "inside attention.");
+  return keep_all(r, std::vector<Placement>(r.node.outputs.size(), r.in[0]));
+}
+
+// ---- shape ops -------------------------------------------------------------------------
+
+RuleResult rule_reshape(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Value& x = input_value(r, 0);
+  const Value& out = output_value(r, 0);
+  auto p = reshape_shard(x.shape, out.shape, r.in[0]);
+  if (!p)
+    conflict(r,
+             describe_input(r, 0) + " reshaped to " + shape_str(out.shape) +
+                 ", which splits or reorders the sharded sequence factor",
+             "a reshape that keeps the sequence factor whole (merging it with other dims is fine)");
+  RuleResult res = keep_all(r, {*p});
+  if (out.shape[p->dim].has_seq()) res.attr_updates["local_dims"] = std::vector<int64_t>{p->dim};
+  return res;
+}
+
+RuleResult rule_expand(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Value& x = input_value(r, 0);
+  const Value& out = output_value(r, 0);
+  const int d = r.in[0].dim + (out.rank() - x.rank());
+  RuleResult res = keep_all(r, {Placement::shard(d, r.in[0].inner)});
+  res.attr_updates["local_dims"] = std::vector<int64_t>{d};
+  return res;
+}
+
+RuleResult rule_permute(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const auto perm = r.node.ints_attr("perm");
+  for (size_t i = 0; i < perm.size(); ++i)
+    if (perm[i] == r.in[0].dim) return keep_all(r, {Placement::shard(static_cast<int>(i), r.in[0].inner)});
+  conflict(r, "a permutation " + attr_str(perm) + " that drops dim " + std::to_string(r.in[0].dim),
+           "a permutation of all dims");
+}
+
+RuleResult rule_identity(const RuleInput& r) {
+  if (r.in.empty()) return keep_all(r, all_replicate(r));
+  return keep_all(r, std::vector<Placement>(r.node.outputs.size(), r.in[0]));
+}
+
+// Basic indexing and slicing: attrs dim_map (input dim -> output dim or -1) and
+// sliced_dims (input dims not taken whole).
+RuleResult rule_index(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) {
+    for (size_t i = 1; i < r.in.size(); ++i)
+      if (!r.in[i].is_replicate())
+        conflict(r, describe_input(r, i) + " used as an index", "replicated index tensors");
+    return keep_all(r, all_replicate(r));
+  }
+  const int d = r.in[0].dim;
+  const auto sliced = r.node.ints_attr("sliced_dims");
+  const auto dim_map = r.node.ints_attr("dim_map");
+  if (std::find(sliced.begin(), sliced.end(), d) != sliced.end() || d >= static_cast<int>(dim_map.size()) ||
+      dim_map[d] < 0)
+    conflict(r, describe_input(r, 0) + ", indexed or sliced along the sharded sequence dim " + std::to_string(d),
+             "the sequence dim taken whole",
+             "Each rank holds only its chunk of the sequence. Shift or slice sequences before "
+             "the sequence is sharded: for a causal LM loss, shift the labels (e.g. "
+             "F.pad(labels, (0, 1), value=-100)[:, 1:]) rather than the logits.");
+  for (size_t i = 1; i < r.in.size(); ++i)
+    if (!r.in[i].is_replicate())
+      conflict(r, describe_input(r, i) + " used as an index", "replicated index tensors");
+  return keep_all(r, {Placement::shard(static_cast<int>(dim_map[d]), r.in[0].inner)});
+}
+
+RuleResult rule_cat(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const Value& out = output_value(r, 0);
+  const int cat_dim = norm_dim(r.node.int_attr("dim", 0), out.rank());
+  const bool stack = r.node.op == "stack";
+  const int s = first_shard(r);
+  if (s < 0) conflict(r, "partial operands", "replicate or sharded operands");
+  const Placement p = r.in[s];
+  if (!stack && p.dim == cat_dim)
+    conflict(r, describe_input(r, s) + ", concatenated along its sharded sequence dim",
+             "concatenation along another dim");
+  RuleResult res;
+  res.operands.assign(r.in.size(), OperandChange::keep());
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (r.in[i].is_shard() && !(r.in[i] == p))
+      conflict(r, describe_input(r, s) + " and " + describe_input(r, i), "operands sharded alike");
+    if (r.in[i].is_replicate()) res.operands[i] = OperandChange::slice(p.dim, p.inner);
+  }
+  const int d = stack && p.dim >= cat_dim ? p.dim + 1 : p.dim;
+  res.out = {Placement::shard(d, p.inner)};
+  return res;
+}
+
+RuleResult rule_split(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Value& x = input_value(r, 0);
+  const int d = norm_dim(r.node.int_attr("dim", 0), x.rank());
+  const Placement p = r.in[0];
+  if (p.dim == d)
+    conflict(r, describe_input(r, 0) + ", split along its sharded sequence dim", "a split along another dim");
+  Placement outp = p;
+  if (r.node.op == "unbind" && p.dim > d) outp.dim -= 1;
+  return keep_all(r, std::vector<Placement>(r.node.outputs.size(), outp));
+}
+
+RuleResult rule_pad(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Value& x = input_value(r, 0);
+  const auto pad = r.node.ints_attr("pad");
+  for (size_t i = 0; 2 * i + 1 < pad.size(); ++i) {
+    const int d = x.rank() - 1 - static_cast<int>(i);
+    if (d == r.in[0].dim && (pad[2 * i] != 0 || pad[2 * i + 1] != 0))
+      conflict(r, describe_input(r, 0) + ", padded along its sharded sequence dim",
+               "padding along other dims only",
+               "Pad sequences before they are sharded (for labels: pad the full-length labels).");
+  }
+  return keep_all(r, {r.in[0]});
+}
+
+RuleResult rule_tril(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const int rank = input_value(r, 0).rank();
+  if (r.in[0].dim >= rank - 2)
+    conflict(r, describe_input(r, 0) + ", whose last two dims hold the sharded sequence",
+             "a replicated matrix");
+  return keep_all(r, {r.in[0]});
+}
+
+// ---- linear algebra --------------------------------------------------------------------
+
+RuleResult rule_linear(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  for (size_t i = 1; i < r.in.size(); ++i)
+    if (!r.in[i].is_replicate())
+      conflict(r, describe_input(r, i) + " (a weight or bias)", "replicated weights and bias");
+  const Value& x = input_value(r, 0);
+  if (r.in[0].dim == x.rank() - 1)
+    conflict(r, describe_input(r, 0) + ", sharded along its feature (contraction) dim",
+             "the sequence in a leading dim");
+  return keep_all(r, {r.in[0]});
+}
+
+RuleResult rule_matmul(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const Value& a = input_value(r, 0);
+  const Value& b = input_value(r, 1);
+  const Value& out = output_value(r, 0);
+  if (a.rank() < 2 || b.rank() < 2)
+    conflict(r, "a matrix-vector product with a sharded operand", "operands of rank >= 2");
+  const int ro = out.rank();
+  const Placement pa = r.in[0], pb = r.in[1];
+  RuleResult res;
+  res.operands.assign(2, OperandChange::keep());
+  // Contraction over the sequence: a[..., M, S] @ b[..., S, N] gives a partial sum.
+  const bool a_k = pa.is_shard() && pa.dim == a.rank() - 1;
+  const bool b_k = pb.is_shard() && pb.dim == b.rank() - 2;
+  if (a_k || b_k) {
+    if (a_k && b_k && pa.inner == pb.inner) {
+      res.out = {Placement::partial()};
+      return res;
+    }
+    if (a_k && pb.is_replicate()) {
+      res.operands[1] = OperandChange::slice(b.rank() - 2, pa.inner);
+      res.out = {Placement::partial()};
+      return res;
+    }
+    if (b_k && pa.is_replicate()) {
+      res.operands[0] = OperandChange::slice(a.rank() - 1, pb.inner);
+      res.out = {Placement::partial()};
+      return res;
+    }
+  }
+  std::optional<Placement> outp;
+  auto set = [&](Placement p) {
+    if (outp && !(*outp == p))
+      conflict(r,
+               describe_input(r, 0) + " and " + describe_input(r, 1) +
+                   ": both operands are sharded along the sequence in different output dims",
+               "at most one sequence-sharded operand in a matmul",
+               "This looks like attention written by hand (q @ k.transpose(-2, -1)); use "
+               "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+    outp = p;
+  };
+  if (pa.is_shard()) set(Placement::shard(pa.dim == a.rank() - 2 ? ro - 2 : pa.dim + (ro - a.rank()), pa.inner));
+  if (pb.is_shard()) {
+    if (pb.dim == b.rank() - 1)
+      set(Placement::shard(ro - 1, pb.inner));
+    else
+      set(Placement::shard(pb.dim + (ro - b.rank()), pb.inner));
+  }
+  // A batch-dim shard on one side needs the replicated other side sliced in that dim.
+  if (outp && outp->dim < ro - 2) {
+    for (int i = 0; i < 2; ++i) {
+      const Value& v = i == 0 ? a : b;
+      if (!r.in[i].is_replicate()) continue;
+      const int k = outp->dim - (ro - v.rank());
+      if (k >= 0 && !v.shape[k].is_one()) res.operands[i] = OperandChange::slice(k, outp->inner);
+    }
+  }
+  res.out = {*outp};
+  return res;
+}
+
+RuleResult rule_embedding(const RuleInput& r) {
+  if (r.in.size() > 1 && !r.in[1].is_replicate())
+    conflict(r, describe_input(r, 1) + " (the embedding table)", "a replicated table");
+  if (r.in[0].is_shard()) return keep_all(r, {r.in[0]});
+  // The sequence is sharded here: the ids are sliced to the local chunk, so the large
+  // activation is never materialised at full length.
+  const int d = sequence_dim(input_value(r, 0));
+  if (d < 0) return keep_all(r, all_replicate(r));
+  RuleResult res = keep_all(r, {Placement::shard(d)});
+  res.operands[0] = OperandChange::slice(d);
+  return res;
+}
+
+RuleResult rule_sym_size(const RuleInput& r) {
+  RuleResult res = keep_all(r, all_replicate(r));
+  if (!r.in.empty() && r.in[0].is_shard()) {
+    const int d = norm_dim(r.node.int_attr("dim", 0), input_value(r, 0).rank());
+    // At run time the local tensor reports its local size; the graph expects the global.
+    if (d == r.in[0].dim) res.attr_updates["scale_by_sp"] = true;
+  }
+  return res;
+}
+
+// layer_norm / rms_norm normalise over the last `norm_dims` dims; the sequence must lie
+// outside them. Weight and bias broadcast like elementwise operands.
+RuleResult rule_layer_norm(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const int rank = input_value(r, 0).rank();
+  const int first_normed = rank - static_cast<int>(r.node.int_attr("norm_dims", 1));
+  if (r.in[0].dim >= first_normed)
+    conflict(r, describe_input(r, 0) + ", normalised over dims >= " + std::to_string(first_normed),
+             "normalisation over dims that do not hold the sharded sequence");
+  return rule_elementwise(r);
+}
+
+RuleResult rule_factory(const RuleInput& r) { return keep_all(r, all_replicate(r)); }
+
+const std::map<std::string, OpRule>& registry() {
+  static const std::map<std::string, OpRule> rules = [] {
+    std::map<std::string, OpRule> m;
+    for (const char* op : {"add", "sub", "rsub"}) m[op] = {rule_elementwise, PartialBehaviour::Additive};
+    for (const char* op : {"mul", "div"}) m[op] = {rule_elementwise, PartialBehaviour::Scale};
+    for (const char* op : {"neg", "to", "contiguous", "clone"}) m[op] = {rule_elementwise, PartialBehaviour::Unary};
+    for (const char* op :
+         {"pow",     "rsqrt", "sqrt",        "exp",         "exp2",        "log",        "log1p",   "silu",
+          "gelu",    "relu",  "tanh",        "sigmoid",     "cos",         "sin",        "abs",     "where",
+          "masked_fill", "clamp", "eq",      "ne",          "lt",          "le",         "gt",      "ge",
+          "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "maximum", "minimum",
+          "dropout", "fill_like", "erf",   "reciprocal",  "floor_divide", "remainder",  "softplus",   "square",  "sign",
+          "mish",    "leaky_relu", "elu",    "hardtanh",    "detach",      "isnan",   "nan_to_num"})
+      m[op] = {rule_elementwise, PartialBehaviour::Reduce};
+    m["sum"] = {rule_reduction, PartialBehaviour::Unary};
+    m["mean"] = {rule_reduction, PartialBehaviour::Unary};
+    for (const char* op : {"amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "norm", "all",
+                           "any", "argmax", "argmin"})
+      m[op] = {rule_reduction, PartialBehaviour::Reduce};
+    for (const char* op : {"softmax", "log_softmax", "cumsum", "cumprod", "layer_norm_dim"})
+      m[op] = {rule_along_dim, PartialBehaviour::Reduce};
+    m["reshape"] = {rule_reshape, PartialBehaviour::Unary};
+    m["expand"] = {rule_expand, PartialBehaviour::Reduce};
+    m["permute"] = {rule_permute, PartialBehaviour::Unary};
+    m["alias"] = {rule_identity, PartialBehaviour::Unary};
+    m["index"] = {rule_index, PartialBehaviour::Reduce};
+    m["cat"] = {rule_cat, PartialBehaviour::Reduce};
+    m["stack"] = {rule_cat, PartialBehaviour::Reduce};
+    for (const char* op : {"split", "chunk", "unbind"}) m[op] = {rule_split, PartialBehaviour::Reduce};
+    m["pad"] = {rule_pad, PartialBehaviour::Reduce};
+    m["tril"] = {rule_tril, PartialBehaviour::Reduce};
+    m["triu"] = {rule_tril, PartialBehaviour::Reduce};
+    m["layer_norm"] = {rule_layer_norm, PartialBehaviour::Reduce};
+    m["linear"] = {rule_linear, PartialBehaviour::Reduce};
+    m["matmul"] = {rule_matmul, PartialBehaviour::Reduce};
+    m["embedding"] = {rule_embedding, PartialBehaviour::Reduce};
+    m["sym_size"] = {rule_sym_size, PartialBehaviour::Reduce};
+    for (const char* op : {"arange", "full", "zeros", "ones", "empty", "rand", "randn", "randint",
+                           "new_full", "nontensor", "sym_arith"})
+      m[op] = {rule_factory, PartialBehaviour::Reduce};
+    return m;
+  }();
+  return rules;
+}
+
+}  // namespace
+
+const OpRule* find_rule(const std::string& op) {
+  const auto& m = registry();
+  auto it = m.find(op);
+  return it == m.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> registered_ops() {
+  std::vector<std::string> ops;
+  for (const auto& [k, _] : registry()) ops.push_back(k);
+  return ops;
+}
+
+int sequence_dim(const Value& v) {
+  for (int i = 0; i < v.rank(); ++i)
+    if (v.shape[i].has_seq() && v.shape[i].power == 1) return i;
+  return -1;
+}
+
+std::optional<Placement> reshape_shard(const std::vector<Dim>& in, const std::vector<Dim>& out,
+                                       const Placement& p) {
+  if (!p.is_shard()) return p;
+  // Elements to the right of the sequence factor, in row-major order.
+  const Dim stride = Dim::constant(p.inner) * product(in, static_cast<size_t>(p.dim) + 1, in.size());
+  if (stride.is_opaque()) return std::nullopt;
+  for (int j = static_cast<int>(out.size()) - 1; j >= 0; --j) {
+    const Dim tail = product(out, static_cast<size_t>(j) + 1, out.size());
+    auto inner = stride.divide(tail);
+    if (!inner || !inner->is_static()) continue;
+    auto rest = out[j].divide(Dim::seq(inner->coef));
+    if (rest && rest->is_static()) return Placement::shard(j, inner->coef);
+  }
+  return std::nullopt;
+}
+
+}  // namespace autosp

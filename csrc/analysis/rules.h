@@ -1,0 +1,80 @@
+// The op-rule registry: one entry per canonical op, saying how placements flow through
+// it. A rule either propagates (outputs get placements), asks for a cheap local slice of
+// a replicated operand, asks for a partial operand to be reduced, or throws a PlanError
+// naming the conflict. An op without a rule is fine while every operand is replicated
+// (each rank computes what the single device computes) and an error otherwise.
+//
+// Example: `mul` with operands [Shard(1) f32[2, S, 64], Replicate f32[1, S, 64]] returns
+// outputs [Shard(1)] and operand changes [Keep, Slice(dim=1)].
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "analysis/placement.h"
+#include "ir/graph.h"
+
+namespace autosp {
+
+struct OperandChange {
+  enum class Kind { Keep, Slice, ReducePartial };
+  Kind kind = Kind::Keep;
+  int dim = -1;       // Slice: the operand's dim to slice
+  int64_t inner = 1;  // Slice: factor right of S inside that dim
+
+  static OperandChange keep() { return {}; }
+  static OperandChange slice(int dim, int64_t inner = 1) { return {Kind::Slice, dim, inner}; }
+  static OperandChange reduce() { return {Kind::ReducePartial, -1, 1}; }
+  bool operator==(const OperandChange&) const = default;
+};
+
+struct RuleInput {
+  const Graph& graph;
+  const Node& node;
+  std::vector<Placement> in;  // one per node input; Replicate for absent (-1) inputs
+  int64_t sp_size = 1;
+};
+
+struct RuleResult {
+  std::vector<Placement> out;
+  std::vector<OperandChange> operands;  // one per node input
+  Attrs attr_updates;
+  // Set when the driver must expand the node into several ("mean_partial",
+  // "cross_entropy_partial"); empty for a plain propagation.
+  std::string expansion;
+};
+
+using RuleFn = RuleResult (*)(const RuleInput&);
+
+// How an op treats Partial(sum) operands.
+enum class PartialBehaviour {
+  Reduce,    // reduce every partial operand first (the conservative default)
+  Additive,  // add/sub: all tensor operands partial -> partial
+  Scale,     // mul/div: one partial operand (the numerator for div), the rest replicate
+  Unary,     // linear in its only tensor operand: neg, casts, sum, mean, views
+};
+
+struct OpRule {
+  RuleFn fn = nullptr;
+  PartialBehaviour partial = PartialBehaviour::Reduce;
+};
+
+// The rule for a canonical op, or nullptr when none is registered.
+const OpRule* find_rule(const std::string& op);
+
+// The ops with a registered rule, sorted (for documentation and tests).
+std::vector<std::string> registered_ops();
+
+// Where a Shard(dim, inner) of a tensor of shape `in` lands after a reshape to `out`;
+// nullopt when the reshape splits the sequence factor or the sizes are opaque.
+//   [2, S, 64] S(1) -> [2*S, 64]: S(0)
+//   [S, 2, 64] S(0) -> [2*S, 64]: S(0, inner=2)
+//   [2, S, 64] S(1) -> [2, S, 4, 16]: S(1)
+std::optional<Placement> reshape_shard(const std::vector<Dim>& in, const std::vector<Dim>& out,
+                                       const Placement& p);
+
+// The first dim of `v` whose size is exactly a multiple of S (power 1), or -1.
+int sequence_dim(const Value& v);
+
+}  // namespace autosp

@@ -1,0 +1,481 @@
+#include "plan/ulysses.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <stdexcept>
+#include <tuple>
+
+#include "analysis/rules.h"
+
+namespace autosp {
+
+namespace {
+
+constexpr const char* kPass = "ulysses";
+
+bool is_float(const std::string& dtype) {
+  return dtype == "f32" || dtype == "f16" || dtype == "bf16" || dtype == "f64";
+}
+
+class PlanBuilder {
+ public:
+  PlanBuilder(const Graph& in, const SpConfig& cfg) : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {}
+
+  SpPlan run() {
+    for (const Node& n : in_.nodes) {
+      if (n.op == "input")
+        emit_input(n);
+      else if (n.op == "output")
+        emit_output(n);
+      else if (n.op == "sdpa")
+        emit_sdpa(n);
+      else if (n.op == "cross_entropy")
+        emit_cross_entropy(n);
+      else
+        emit_generic(n);
+    }
+    return SpPlan{std::move(out_), std::move(place_)};
+  }
+
+ private:
+  const Graph& in_;
+  SpConfig cfg_;
+  Graph out_;
+  std::vector<Placement> place_;
+  std::vector<int> vmap_;  // input value id -> output value id
+  std::map<std::tuple<int, int, int64_t>, int> slice_cache_;
+  std::map<int, int> grad_sync_cache_;
+  std::map<int, int> reduce_cache_;
+
+  int mapped(int old_id) const { return old_id < 0 ? -1 : vmap_.at(static_cast<size_t>(old_id)); }
+  const Value& val(int id) const { return out_.value(id); }
+  Placement placement(int id) const { return id < 0 ? Placement::replicate() : place_.at(static_cast<size_t>(id)); }
+
+  int new_value(Value v, Placement p) {
+    int id = out_.add_value(std::move(v));
+    place_.push_back(p);
+    return id;
+  }
+
+  // Emits an inserted SP node with one output per entry of `outs`.
+  std::vector<int> emit(const std::string& op, std::vector<int> inputs, Attrs attrs,
+                        std::vector<std::pair<Value, Placement>> outs, const SourceLoc& loc) {
+    Node n;
+    n.op = op;
+    n.target = op;
+    n.inputs = std::move(inputs);
+    n.attrs = std::move(attrs);
+    n.loc = loc;
+    for (auto& [v, p] : outs) n.outputs.push_back(new_value(v, p));
+    std::vector<int> ids = n.outputs;
+    out_.add_node(std::move(n));
+    return ids;
+  }
+
+  // Copies an input node, mapping its inputs; its outputs get the given placements.
+  int copy_node(const Node& n, std::vector<int> inputs, const std::vector<Placement>& outs,
+                const Attrs& updates) {
+    Node c = n;
+    c.origin = n.id;
+    c.inputs = std::move(inputs);
+    c.outputs.clear();
+    for (const auto& [k, a] : updates) c.attrs[k] = a;
+    for (size_t i = 0; i < n.outputs.size(); ++i) {
+      int id = new_value(in_.value(n.outputs[i]), outs.at(i));
+      vmap_[static_cast<size_t>(n.outputs[i])] = id;
+      c.outputs.push_back(id);
+    }
+    return out_.add_node(std::move(c));
+  }
+
+  int grad_sync(int v, const SourceLoc& loc) {
+    if (!val(v).requires_grad) return v;
+    auto it = grad_sync_cache_.find(v);
+    if (it != grad_sync_cache_.end()) return it->second;
+    int id = emit("sp.grad_sync", {v}, {}, {{val(v), Placement::replicate()}}, loc)[0];
+    grad_sync_cache_[v] = id;
+    return id;
+  }
+
+  int slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
+    auto key = std::make_tuple(v, dim, inner);
+    auto it = slice_cache_.find(key);
+    if (it != slice_cache_.end()) return it->second;
+    const Dim& size = val(v).shape.at(static_cast<size_t>(dim));
+    int64_t outer = 1;
+    if (size.has_seq()) {
+      if (size.power != 1 || size.coef % inner != 0)
+        throw std::invalid_argument("[plan_ulysses] cannot slice dim " + std::to_string(dim) + " of size " +
+                                    size.str() + " with inner " + std::to_string(inner));
+      outer = size.coef / inner;
+    } else if (size.is_static() && size.coef % cfg_.sp_size != 0) {
+      throw std::invalid_argument("[plan_ulysses] static dim of size " + size.str() +
+                                  " is not divisible by the SP degree " + std::to_string(cfg_.sp_size));
+    }
+    const int src = grad_sync(v, loc);
+    int id = emit("sp.slice", {src},
+                  {{"dim", int64_t{dim}}, {"inner", inner}, {"outer", outer}},
+                  {{val(v), Placement::shard(dim, inner)}}, loc)[0];
+    slice_cache_[key] = id;
+    return id;
+  }
+
+  int reduce_partial(int v, const SourceLoc& loc) {
+    auto it = reduce_cache_.find(v);
+    if (it != reduce_cache_.end()) return it->second;
+    int id = emit("sp.reduce_partial", {v}, {}, {{val(v), Placement::replicate()}}, loc)[0];
+    reduce_cache_[v] = id;
+    return id;
+  }
+
+  void emit_input(const Node& n) {
+    copy_node(n, {}, std::vector<Placement>(n.outputs.size(), Placement::replicate()), {});
+    // A floating-point activation fed in at full length ([B, S, D] embeddings) is sharded
+    // where it enters; token ids are sharded by the embedding that reads them.
+    for (int old : n.outputs) {
+      int v = mapped(old);
+      const Value& value = val(v);
+      const int d = sequence_dim(value);
+      if (n.str_attr("role", "") == "data" && value.is_tensor() && is_float(value.dtype) && value.rank() >= 3 &&
+          d >= 0)
+        vmap_[static_cast<size_t>(old)] = slice(v, d, 1, n.loc);
+    }
+  }
+
+  void emit_output(const Node& n) {
+    std::vector<int> ins;
+    for (int old : n.inputs) {
+      int v = mapped(old);
+      Placement p = placement(v);
+      if (p.is_partial()) v = reduce_partial(v, n.loc);
+      if (p.is_shard())
+        v = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
+                 {{val(v), Placement::replicate()}}, n.loc)[0];
+      ins.push_back(v);
+    }
+    copy_node(n, ins, {}, {});
+  }
+
+  // Applies a rule's operand changes and the gradient rule for replicated operands:
+  // a replicated value that requires grad and feeds a sharded or partial result gets
+  // only a partial gradient on each rank, so it passes through sp.grad_sync.
+  std::vector<int> apply_operands(const Node& n, std::vector<int> ins, const std::vector<OperandChange>& changes,
+                                  const std::vector<Placement>& outs) {
+    const bool distributed_out =
+        std::any_of(outs.begin(), outs.end(), [](const Placement& p) { return !p.is_replicate(); });
+    for (size_t i = 0; i < ins.size(); ++i) {
+      if (ins[i] < 0) continue;
+      const OperandChange& c = changes.at(i);
+      switch (c.kind) {
+        case OperandChange::Kind::Slice:
+          ins[i] = slice(ins[i], c.dim, c.inner, n.loc);
+          break;
+        case OperandChange::Kind::ReducePartial:
+          ins[i] = reduce_partial(ins[i], n.loc);
+          break;
+        case OperandChange::Kind::Keep:
+          if (distributed_out && placement(ins[i]).is_replicate() && val(ins[i]).is_tensor())
+            ins[i] = grad_sync(ins[i], n.loc);
+          break;
+      }
+    }
+    return ins;
+  }
+
+  std::vector<int> mapped_inputs(const Node& n) const {
+    std::vector<int> ins;
+    for (int old : n.inputs) ins.push_back(mapped(old));
+    return ins;
+  }
+
+  std::vector<Placement> placements_of(const std::vector<int>& ins) const {
+    std::vector<Placement> ps;
+    for (int v : ins) ps.push_back(placement(v));
+    return ps;
+  }
+
+  // Partial operands: kept when the op is linear in them, otherwise reduced first.
+  bool partial_passes(const OpRule& rule, const Node& n, const std::vector<int>& ins) const {
+    int partial = 0, tensors = 0, first_partial = -1;
+    for (size_t i = 0; i < ins.size(); ++i) {
+      if (ins[i] < 0 || !val(ins[i]).is_tensor()) continue;
+      ++tensors;
+      if (placement(ins[i]).is_partial()) {
+        if (first_partial < 0) first_partial = static_cast<int>(i);
+        ++partial;
+      } else if (placement(ins[i]).is_shard()) {
+        return false;
+      }
+    }
+    if (partial == 0) return false;
+    switch (rule.partial) {
+      case PartialBehaviour::Additive:
+        return partial == tensors;
+      case PartialBehaviour::Scale:
+        return partial == 1 && (n.op != "div" || first_partial == 0);
+      case PartialBehaviour::Unary:
+        return tensors == 1;
+      case PartialBehaviour::Reduce:
+        return false;
+    }
+    return false;
+  }
+
+  void emit_generic(const Node& n) {
+    std::vector<int> ins = mapped_inputs(n);
+    const OpRule* rule = find_rule(n.op);
+    if (rule && partial_passes(*rule, n, ins)) {
+      std::vector<Placement> outs(n.outputs.size(), Placement::partial());
+      std::vector<OperandChange> keep(ins.size(), OperandChange::keep());
+      copy_node(n, apply_operands(n, ins, keep, outs), outs, {});
+      return;
+    }
+    for (int& v : ins)
+      if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+    const std::vector<Placement> in_places = placements_of(ins);
+    RuleResult res;
+    if (!rule) {
+      for (size_t i = 0; i < ins.size(); ++i)
+        if (!in_places[i].is_replicate())
+          throw PlanError(kPass, n,
+                          "input " + std::to_string(i) + " placed " + in_places[i].str() + " (" +
+                              shape_str(val(ins[i]).shape) + ")",
+                          "an op with a sequence-parallel rule",
+                          "autosp has no rule for '" + n.op +
+                              "' on a sequence-sharded tensor; rather than guess, it stops here.");
+      res.out.assign(n.outputs.size(), Placement::replicate());
+      res.operands.assign(ins.size(), OperandChange::keep());
+    } else {
+      res = call_rule(*rule, n, ins);
+    }
+    if (res.expansion == "mean_partial") {
+      emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
+      return;
+    }
+    copy_node(n, apply_operands(n, ins, res.operands, res.out), res.out, res.attr_updates);
+  }
+
+  // Rules see the node with mapped inputs and the *input graph's* output values (same
+  // shapes), so shapes of both sides are available.
+  RuleResult call_rule(const OpRule& rule, const Node& n, const std::vector<int>& ins) {
+    Graph& g = scratch_graph(n, ins);
+    RuleInput r{g, g.nodes.back(), placements_of(ins), cfg_.sp_size};
+    return rule.fn(r);
+  }
+
+  Graph scratch_;
+  Graph& scratch_graph(const Node& n, const std::vector<int>& ins) {
+    scratch_.values.clear();
+    scratch_.nodes.clear();
+    Node c = n;
+    c.inputs.clear();
+    c.outputs.clear();
+    for (int v : ins) c.inputs.push_back(v < 0 ? -1 : scratch_.add_value(val(v)));
+    for (int o : n.outputs) c.outputs.push_back(scratch_.add_value(in_.value(o)));
+    scratch_.add_node(std::move(c));
+    return scratch_;
+  }
+
+  // mean over the sharded dim -> local sum / global count (a partial value).
+  void emit_mean_partial(const Node& n, std::vector<int> ins) {
+    const Value& x = val(ins[0]);
+    std::vector<int> dims;
+    for (int64_t d : n.ints_attr("dims")) dims.push_back(static_cast<int>(d < 0 ? d + x.rank() : d));
+    if (dims.empty())
+      for (int d = 0; d < x.rank(); ++d) dims.push_back(d);
+    Dim count = Dim::constant(1);
+    for (int d : dims) count = count * x.shape[static_cast<size_t>(d)];
+    if (count.is_opaque())
+      throw PlanError(kPass, n, "a mean over dims of size " + count.str(), "sizes that are multiples of S");
+    Node s = n;
+    s.op = "sum";
+    const int idx = copy_node(s, ins, {Placement::partial()}, {{"rewrite_target", std::string("sum")}});
+    const int sum_out = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+    const int q = emit("div", {sum_out}, {{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}},
+                       {{val(sum_out), Placement::partial()}}, n.loc)[0];
+    vmap_[static_cast<size_t>(n.outputs[0])] = q;
+  }
+
+  void emit_cross_entropy(const Node& n) {
+    std::vector<int> ins = mapped_inputs(n);
+    for (int& v : ins)
+      if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+    const Placement px = placement(ins[0]);
+    const Placement pt = placement(ins[1]);
+    if (px.is_replicate() && pt.is_replicate()) {
+      copy_node(n, ins, {Placement::replicate()}, {});
+      return;
+    }
+    if (ins.size() > 2 && ins[2] >= 0)
+      throw PlanError(kPass, n, "a class-weight tensor", "cross-entropy without class weights",
+                      "Weighted cross-entropy is not supported under sequence parallelism yet.");
+    const Value& x = val(ins[0]);
+    if (!px.is_shard() || px.dim == 1 || (x.rank() > 1 && px.dim == 0 && x.rank() != 2) ||
+        (x.rank() == 2 && px.dim != 0))
+      throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
+                      "logits sharded along the token dim ([N, C] sharded on N)");
+    const int tdim = px.dim == 0 ? 0 : px.dim - 1;
+    if (pt.is_shard() && !(pt == Placement::shard(tdim, px.inner)))
+      throw PlanError(kPass, n, "targets placed " + pt.str() + " and logits placed " + px.str(),
+                      "targets sharded like the logits' token dim");
+    std::vector<int> args = ins;
+    if (pt.is_replicate()) args[1] = slice(ins[1], tdim, px.inner, n.loc);
+    const std::string reduction = n.str_attr("reduction", "mean");
+    if (reduction == "none") {
+      copy_node(n, args, {Placement::shard(tdim, px.inner)}, {});
+      return;
+    }
+    if (reduction == "sum") {
+      copy_node(n, args, {Placement::partial()}, {});
+      return;
+    }
+    // mean: local sum over this rank's tokens / the number of valid tokens in the group.
+    const int idx = copy_node(n, args, {Placement::partial()}, {{"reduction", std::string("sum")}});
+    const int ce = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+    Value count_v;
+    count_v.kind = ValueKind::Tensor;
+    count_v.dtype = "i64";
+    const int count = emit("sp.count_valid", {args[1]}, {{"ignore_index", n.int_attr("ignore_index", -100)}},
+                           {{count_v, Placement::replicate()}}, n.loc)[0];
+    const int q = emit("div", {ce, count}, {}, {{val(ce), Placement::partial()}}, n.loc)[0];
+    vmap_[static_cast<size_t>(n.outputs[0])] = q;
+  }
+
+  void emit_sdpa(const Node& n) {
+    std::vector<int> ins = mapped_inputs(n);
+    for (int& v : ins)
+      if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+    const int P = static_cast<int>(cfg_.sp_size);
+    bool any_shard = false;
+    for (int v : ins) any_shard = any_shard || placement(v).is_shard();
+    if (!any_shard) {
+      copy_node(n, ins, {Placement::replicate()}, {});
+      return;
+    }
+    const Value& q = val(ins[0]);
+    if (q.rank() != 4)
+      throw PlanError(kPass, n, "query of rank " + std::to_string(q.rank()) + " " + shape_str(q.shape),
+                      "[batch, heads, seq, head_dim] query, key and value");
+    for (int i = 0; i < 3; ++i) {
+      Placement p = placement(ins[i]);
+      if (!(p.is_replicate() || p == Placement::shard(2)))
+        throw PlanError(kPass, n,
+                        std::string(i == 0 ? "query" : i == 1 ? "key" : "value") + " " + shape_str(val(ins[i]).shape) +
+                            " placed " + p.str(),
+                        "the sequence in dim 2 (S(2)) or a replicated tensor");
+    }
+    if (!placement(ins[0]).is_shard())
+      throw PlanError(kPass, n, "a replicated query with sharded key/value", "a query sharded along the sequence");
+    const Dim& hq = q.shape[1];
+    if (!hq.is_static() || hq.coef % P != 0)
+      throw PlanError(kPass, n,
+                      std::to_string(hq.coef) + " query heads for an SP degree of " + std::to_string(P),
+                      "a number of query heads divisible by the SP degree (" + std::to_string(hq.coef) + " % " +
+                          std::to_string(P) + " = " + std::to_string(hq.coef % P) + ")",
+                      "Ulysses splits attention heads across the SP group; choose an SP degree that "
+                      "divides the number of heads.");
+    const int64_t Hq = hq.coef;
+    std::vector<int> args = ins;
+    std::vector<int> exchange;  // positions in args that go through the all-to-all
+    for (int i = 0; i < 3; ++i) {
+      int v = args[i];
+      const Dim& h = val(v).shape[1];
+      if (!h.is_static())
+        throw PlanError(kPass, n, "a heads dim of size " + h.str(), "a static number of heads");
+      int64_t H = h.coef;
+      if (i > 0 && H != Hq) {
+        if (!n.bool_attr("enable_gqa", false) || Hq % H != 0)
+          throw PlanError(kPass, n, std::to_string(H) + " key/value heads for " + std::to_string(Hq) + " query heads",
+                          "equal heads, or enable_gqa=True with query heads a multiple of key/value heads");
+        if (H % P != 0) {
+          // Fewer KV heads than ranks: repeat each KV head so that every rank receives the
+          // KV head its query heads attend to.
+          const int64_t f = P / std::gcd(H, static_cast<int64_t>(P));
+          if (Hq % (H * f) != 0)
+            throw PlanError(kPass, n,
+                            std::to_string(H) + " key/value heads, " + std::to_string(Hq) + " query heads, SP degree " +
+                                std::to_string(P),
+                            "key/value heads that can be repeated to a multiple of the SP degree dividing the "
+                            "query heads");
+          Value rv = val(v);
+          rv.shape[1] = Dim::constant(H * f);
+          v = emit("sp.repeat_heads", {v}, {{"dim", int64_t{1}}, {"repeats", f}}, {{rv, placement(v)}}, n.loc)[0];
+        }
+      }
+      if (placement(v).is_shard())
+        exchange.push_back(i);
+      else
+        v = slice(v, 1, 1, n.loc);  // replicated full-length k/v: keep the local heads
+      args[i] = v;
+    }
+    if (args.size() > 3 && args[3] >= 0) {
+      const Value& m = val(args[3]);
+      Placement pm = placement(args[3]);
+      if (!pm.is_replicate())
+        throw PlanError(kPass, n, "an attention mask placed " + pm.str(), "a replicated (full-length) mask",
+                        "Build the mask from full-length positions (as single-device code does).");
+      if (m.rank() == 4 && m.shape[1].is_static() && m.shape[1].coef == Hq) args[3] = slice(args[3], 1, 1, n.loc);
+    }
+    const Dim seq = q.shape[2];
+    auto exchange_group = [&](std::vector<int> positions) {
+      std::vector<int> xs;
+      std::vector<std::pair<Value, Placement>> outs;
+      for (int i : positions) {
+        xs.push_back(args[i]);
+        outs.push_back({val(args[i]), Placement::shard(1)});
+      }
+      auto ys = emit("sp.all_to_all", xs,
+                     {{"scatter_dim", int64_t{1}},
+                      {"gather_dim", int64_t{2}},
+                      {"gather_coef", seq.coef},
+                      {"gather_power", int64_t{seq.power}}},
+                     outs, n.loc);
+      for (size_t j = 0; j < positions.size(); ++j) args[positions[j]] = ys[j];
+    };
+    if (cfg_.fuse_qkv) {
+      exchange_group(exchange);
+    } else {
+      for (int i : exchange) exchange_group({i});
+    }
+    for (size_t i = 0; i < 3; ++i) args[i] = grad_sync_if_replicated(args[i], n.loc);
+    const int idx = copy_node(n, args, {Placement::shard(1)}, {});
+    const int o = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+    const int back = emit("sp.all_to_all", {o},
+                          {{"scatter_dim", int64_t{2}},
+                           {"gather_dim", int64_t{1}},
+                           {"gather_coef", Hq},
+                           {"gather_power", int64_t{0}}},
+                          {{val(o), Placement::shard(2)}}, n.loc)[0];
+    vmap_[static_cast<size_t>(n.outputs[0])] = back;
+  }
+
+  int grad_sync_if_replicated(int v, const SourceLoc& loc) {
+    return placement(v).is_replicate() ? grad_sync(v, loc) : v;
+  }
+};
+
+}  // namespace
+
+std::map<std::string, int> SpPlan::collective_counts() const {
+  static const std::set<std::string> collectives = {"sp.all_to_all", "sp.reduce_partial", "sp.grad_sync",
+                                                    "sp.all_gather", "sp.count_valid"};
+  std::map<std::string, int> counts;
+  for (const Node& n : graph.nodes)
+    if (collectives.count(n.op)) counts[n.op] += 1;
+  return counts;
+}
+
+std::string SpPlan::str() const {
+  std::vector<std::string> notes;
+  for (const Placement& p : placements) notes.push_back(p.str());
+  return print_graph(graph, notes);
+}
+
+SpPlan plan_ulysses(const Graph& g, const SpConfig& cfg) {
+  if (cfg.sp_size < 1)
+    throw std::invalid_argument("[plan_ulysses] sp_size must be >= 1, got " + std::to_string(cfg.sp_size));
+  return PlanBuilder(g, cfg).run();
+}
+
+}  // namespace autosp

@@ -1,0 +1,57 @@
+// The Ulysses sequence-parallel plan.
+//
+// Input: the single-device graph (full-length inputs, the sequence length as symbol S).
+// Output: the same computation rewritten for one rank of an SP group of size P, as a new
+// graph whose inserted nodes are the SP ops below, plus a placement for every value.
+//
+//   sp.slice(x) {dim, inner, outer}      keep this rank's 1/P chunk of the sequence factor
+//                                        of `dim` (or of a static dim such as heads)
+//   sp.grad_sync(x)                      identity forward; all-reduce(sum) of the gradient
+//   sp.reduce_partial(x)                 all-reduce(sum) forward; identity backward
+//   sp.all_gather(x) {dim, inner}        gather the sequence (backward: keep the local chunk)
+//   sp.all_to_all(x...) {scatter_dim, gather_dim, gather_coef, gather_power}
+//                                        one fused exchange for all operands
+//   sp.repeat_heads(x) {dim, repeats}    repeat_interleave KV heads (GQA, KV heads < P)
+//   sp.count_valid(t) {ignore_index}     global number of targets != ignore_index
+//
+// Original nodes keep their ids in `origin` and may carry attribute updates the bridge
+// applies: local_dims (output dims whose size arguments become S/P), scale_by_sp,
+// reduction, rewrite_target.
+//
+// Example (one attention, P = 2):
+//   %q: f32[2, 4, S, 16] S(2)
+//   %qa, %ka, %va = sp.all_to_all(%q, %k, %v) {gather_dim=2, scatter_dim=1, ...}   S(1) each
+//   %o: f32[2, 4, S, 16] S(1) = sdpa(%qa, %ka, %va) {is_causal=true}
+//   %ob: f32[2, 4, S, 16] S(2) = sp.all_to_all(%o) {gather_dim=1, scatter_dim=2, ...}
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "analysis/placement.h"
+#include "ir/graph.h"
+
+namespace autosp {
+
+struct SpConfig {
+  int64_t sp_size = 1;
+  bool fuse_qkv = true;  // one all-to-all for q, k and v
+};
+
+struct SpPlan {
+  Graph graph;
+  std::vector<Placement> placements;  // indexed by value id of `graph`
+
+  // Number of nodes per SP op ("sp.all_to_all" -> 2L for an L-layer model, ...).
+  std::map<std::string, int> collective_counts() const;
+  // The graph with each value's placement printed after its type.
+  std::string str() const;
+};
+
+// Throws PlanError for a model the plan cannot make exact, std::invalid_argument for a
+// bad configuration.
+SpPlan plan_ulysses(const Graph& g, const SpConfig& cfg);
+
+}  // namespace autosp

@@ -1,0 +1,13 @@
+"""autosp: compiler-based sequence parallelism for PyTorch 2.
+
+    mesh = autosp.init_mesh(sp_size=4)
+    model = autosp.compile(model, mesh=mesh)
+    loss = model(input_ids, labels)      # the full-length batch on every rank
+    loss.backward()                      # exact single-device gradients
+"""
+
+from autosp.api import backend, compile, init_mesh
+from autosp.errors import AutospError
+
+__all__ = ["AutospError", "backend", "compile", "init_mesh"]
+__version__ = "0.1.0"

@@ -1,0 +1,259 @@
+"""Apply a core SP plan to the FX graph it was computed from.
+
+The plan is a core graph whose nodes either come from an FX node (``origin``), with
+possibly new operands and attribute updates, or are inserted SP ops. This module
+replays it: it copies FX nodes, substitutes operands at the recorded argument paths,
+rewrites size arguments the plan marks local, and emits the SP ops from
+``autosp.collectives``. It makes no decision of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autosp import collectives
+from autosp.bridge import BridgeResult
+from autosp.errors import AutospError
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where this rank sits in its SP group."""
+
+    rank: int
+    world: int
+    group: str  # process-group name, as functional collectives take it
+
+
+def _to_mutable(a: Any) -> Any:
+    if isinstance(a, (tuple, list)):
+        return [_to_mutable(x) for x in a]
+    return a
+
+
+def _to_tuples(a: Any, like: Any) -> Any:
+    if isinstance(like, tuple):
+        return tuple(_to_tuples(x, y) for x, y in zip(a, like))
+    if isinstance(like, list):
+        return [_to_tuples(x, y) for x, y in zip(a, like)]
+    return a
+
+
+def _set_path(args: list, kwargs: dict, path: tuple, value: Any) -> None:
+    where, key, *rest = path
+    if where == "args":
+        if not rest:
+            args[key] = value
+            return
+        cont = args[key]
+    else:
+        if not rest:
+            kwargs[key] = value
+            return
+        cont = kwargs[key]
+    for k in rest[:-1]:
+        cont = cont[k]
+    cont[rest[-1]] = value
+
+
+_SIZE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
+
+
+class _Replayer:
+    def __init__(self, gm: fx.GraphModule, bridge: BridgeResult, plan: Any, ctx: RankContext) -> None:
+        self.gm = gm
+        self.bridge = bridge
+        self.plan = plan
+        self.ctx = ctx
+        self.graph = fx.Graph()
+        self.env: dict[int, fx.Node] = {}
+        self.old_to_new: dict[fx.Node, fx.Node] = {}
+        self.seq_node: fx.Node | None = None
+
+    def value_node(self, vid: int) -> fx.Node:
+        return self.env[vid]
+
+    def run(self) -> fx.GraphModule:
+        for cn in self.plan.graph.nodes:
+            if cn.origin >= 0:
+                self.copy(cn)
+            else:
+                self.insert(cn)
+        self.graph.lint()
+        gm = fx.GraphModule(self.gm, self.graph)
+        gm.recompile()
+        return gm
+
+    # -- original nodes ------------------------------------------------------------------
+    def copy(self, cn: Any) -> None:
+        fxn = self.bridge.fx_nodes[cn.origin]
+        paths = self.bridge.input_paths[cn.origin]
+        if cn.op == "input":
+            nn = self.graph.placeholder(fxn.name, type_expr=fxn.type)
+            nn.meta = copy.copy(fxn.meta)
+            ex = fxn.meta.get("example_value")
+            if isinstance(ex, torch.SymInt) and self.seq_node is None:
+                if ex.node.expr in self.bridge.seq_symbols or _replaced(ex) in self.bridge.seq_symbols:
+                    self.seq_node = nn
+        else:
+            args = _to_mutable(fx.node.map_arg(fxn.args, lambda n: self.old_to_new[n]))
+            kwargs = dict(fx.node.map_arg(fxn.kwargs, lambda n: self.old_to_new[n]))
+            kwargs = {k: _to_mutable(v) for k, v in kwargs.items()}
+            for i, path in enumerate(paths):
+                if cn.inputs[i] >= 0:
+                    _set_path(args, kwargs, path, self.value_node(cn.inputs[i]))
+            args = _to_tuples(args, fxn.args)
+            kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
+            attrs = cn.attrs
+            target = fxn.target
+            if "rewrite_target" in attrs:
+                target = _rewrite_target(fxn, attrs["rewrite_target"])
+            if "reduction" in attrs and attrs["reduction"] != _current_reduction(fxn):
+                args, kwargs = _set_reduction(args, kwargs, attrs["reduction"])
+            if "local_dims" in attrs:
+                args, kwargs = self.localise_sizes(fxn, cn, args, kwargs, list(attrs["local_dims"]))
+            if cn.op == "output":
+                nn = self.graph.output(args[0] if len(args) == 1 else args)
+                return
+            nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
+            nn.meta = copy.copy(fxn.meta)
+            if attrs.get("scale_by_sp", False):
+                nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
+        self.old_to_new[fxn] = nn
+        items = self.bridge.tuple_items.get(cn.origin)
+        if items is not None:
+            for i, vid in enumerate(cn.outputs):
+                old_item = items[i]
+                item = self.graph.call_function(operator.getitem, (nn, i))
+                if old_item is not None:
+                    item.meta = copy.copy(old_item.meta)
+                    self.old_to_new[old_item] = item
+                self.env[vid] = item
+        else:
+            for vid in cn.outputs:
+                self.env[vid] = nn
+
+    def localise_sizes(self, fxn: fx.Node, cn: Any, args: Any, kwargs: dict, dims: list[int]) -> tuple:
+        name = fxn.target if isinstance(fxn.target, str) else getattr(fxn.target, "__name__", "")
+        if name not in _SIZE_ARG_METHODS:
+            return args, kwargs  # sizes come from the (local) input itself
+        args = list(args)
+        flat = not (len(args) == 2 and isinstance(args[1], (tuple, list)))
+        sizes = list(args[1:]) if flat else list(args[1])
+        if not sizes and "size" in kwargs:
+            sizes, flat = list(kwargs["size"]), None
+        for d in dims:
+            s = sizes[d]
+            if isinstance(s, fx.Node):
+                sizes[d] = self.graph.call_function(operator.floordiv, (s, self.ctx.world))
+            elif isinstance(s, int) and s == -1:
+                continue
+            else:
+                raise AutospError(
+                    f"[autosp:apply] op '{name}' at {_loc(fxn)}: found size argument {s!r} for the "
+                    f"sharded sequence dim {d}; expected a size derived from the input's shape or -1."
+                )
+        if flat is None:
+            kwargs = dict(kwargs, size=tuple(sizes))
+        elif flat:
+            args = [args[0]] + sizes
+        else:
+            args = [args[0], type(args[1])(sizes)]
+        return tuple(args), kwargs
+
+    # -- inserted SP ops -----------------------------------------------------------------
+    def insert(self, cn: Any) -> None:
+        ins = [self.value_node(v) for v in cn.inputs]
+        a = cn.attrs
+        ctx = self.ctx
+        g = self.graph
+        op = cn.op
+        if op == "sp.slice":
+            node = g.call_function(collectives.local_chunk,
+                                   (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank, ctx.world))
+        elif op == "sp.grad_sync":
+            node = g.call_function(collectives.grad_sync, (ins[0], ctx.group))
+        elif op == "sp.reduce_partial":
+            node = g.call_function(collectives.reduce_partial, (ins[0], ctx.group))
+        elif op == "sp.all_gather":
+            shape = self.plan.graph.value(cn.inputs[0]).shape
+            outer = shape[a["dim"]].coef // a["inner"]
+            node = g.call_function(collectives.all_gather_seq,
+                                   (ins[0], a["dim"], outer, a["inner"], ctx.group, ctx.rank, ctx.world))
+        elif op == "sp.all_to_all":
+            tup = g.call_function(collectives.all_to_all,
+                                  (tuple(ins), a["scatter_dim"], a["gather_dim"], ctx.group, ctx.world))
+            for i, vid in enumerate(cn.outputs):
+                self.env[vid] = g.call_function(operator.getitem, (tup, i))
+            return
+        elif op == "sp.repeat_heads":
+            node = g.call_function(collectives.repeat_heads, (ins[0], a["dim"], a["repeats"]))
+        elif op == "sp.count_valid":
+            node = g.call_function(collectives.count_valid, (ins[0], a["ignore_index"], ctx.group))
+        elif op == "div":
+            if len(ins) == 2:
+                node = g.call_function(operator.truediv, (ins[0], ins[1]))
+            else:
+                node = g.call_function(operator.truediv, (ins[0], self.divisor(a["divisor_coef"], a["divisor_power"])))
+        else:
+            raise AssertionError(f"unknown inserted op {op}")
+        for vid in cn.outputs:
+            self.env[vid] = node
+
+    def divisor(self, coef: int, power: int) -> Any:
+        if power == 0:
+            return coef
+        if self.seq_node is None:
+            raise AssertionError("plan divides by a multiple of S but the graph has no S input")
+        d: Any = self.seq_node
+        for _ in range(power - 1):
+            d = self.graph.call_function(operator.mul, (d, self.seq_node))
+        if coef != 1:
+            d = self.graph.call_function(operator.mul, (d, coef))
+        return d
+
+
+def _replaced(s: torch.SymInt) -> Any:
+    env = s.node.shape_env
+    try:
+        return env.replace(s.node.expr)
+    except Exception:
+        return s.node.expr
+
+
+def _loc(fxn: fx.Node) -> str:
+    from autosp.bridge import source_loc
+
+    return str(source_loc(fxn))
+
+
+def _rewrite_target(fxn: fx.Node, name: str) -> Any:
+    if isinstance(fxn.target, str):
+        return name
+    return getattr(torch, name)
+
+
+def _current_reduction(fxn: fx.Node) -> str:
+    if len(fxn.args) > 6:
+        return fxn.args[6]
+    return fxn.kwargs.get("reduction", "mean")
+
+
+def _set_reduction(args: Any, kwargs: dict, reduction: str) -> tuple:
+    args = list(args)
+    if len(args) > 6:
+        args[6] = reduction
+    else:
+        kwargs = dict(kwargs, reduction=reduction)
+    return tuple(args), kwargs
+
+
+def apply_plan(gm: fx.GraphModule, bridge: BridgeResult, plan: Any, ctx: RankContext) -> fx.GraphModule:
+    """The FX graph one rank runs: ``gm`` rewritten by ``plan``."""
+    return _Replayer(gm, bridge, plan, ctx).run()

@@ -1,0 +1,517 @@
+"""FX <-> core bridge: translate a Dynamo (Torch-level) FX graph into autosp's core IR.
+
+Each FX node becomes one core node with a canonical op name, its tensor operands as
+core values (with the path of each operand inside the FX node's args, so a plan can
+replace it), attributes normalised (non-negative dims, full permutations, index maps),
+the user's source line, and output values whose shapes are symbolic in S.
+
+The bridge only translates; every decision about placements is the core's.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from autosp import _core
+from autosp.errors import AutospError
+
+ArgPath = tuple  # ("args", i) | ("args", i, j) | ("kwargs", name) | ("kwargs", name, j)
+
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+    torch.complex64: "c64",
+}
+
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "exp2", "log", "log1p",
+    "silu", "gelu", "relu", "tanh", "sigmoid", "cos", "sin", "abs", "where", "masked_fill",
+    "clamp", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+    "bitwise_and", "bitwise_or", "maximum", "minimum", "dropout", "erf", "reciprocal",
+    "floor_divide", "remainder", "softplus", "square", "sign", "mish", "leaky_relu", "elu",
+    "hardtanh", "detach", "isnan", "nan_to_num", "rsub", "contiguous", "clone",
+}
+_ALIASES = {
+    "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "clip": "clamp",
+    "and_": "bitwise_and", "or_": "bitwise_or", "invert": "logical_not", "multiply": "mul",
+    "subtract": "sub", "divide": "div", "true_divide": "div", "negative": "neg",
+    "concat": "cat", "concatenate": "cat", "swapaxes": "transpose", "swapdims": "transpose",
+    "scaled_dot_product_attention": "sdpa", "matmul": "matmul", "mm": "matmul", "bmm": "matmul",
+    "greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le", "not_equal": "ne",
+    "zeros_like": "fill_like", "ones_like": "fill_like", "full_like": "fill_like",
+    "empty_like": "fill_like", "rand_like": "fill_like", "randn_like": "fill_like",
+    "new_zeros": "new_full", "new_ones": "new_full", "new_empty": "new_full",
+    "new_tensor": "new_full",
+}
+_CASTS = {"float", "half", "bfloat16", "double", "to", "type_as", "type", "int", "long", "bool"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp",
+               "norm", "all", "any", "argmax", "argmin"}
+_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod"}
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
+             "reshape_as", "ravel"}
+_FACTORIES = {"arange", "ones", "zeros", "full", "empty", "rand", "randn", "randint",
+              "tensor", "scalar_tensor", "linspace"}
+_NONTENSOR = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled",
+              "autocast", "_record_function_enter_new", "_record_function_exit"}
+
+
+@dataclass
+class BridgeResult:
+    """The core graph and what is needed to map a plan back onto the FX graph."""
+
+    graph: Any  # _core.Graph
+    fx_nodes: list[fx.Node]                       # core node id -> FX node
+    input_paths: dict[int, list[ArgPath]]         # core node id -> FX arg path per core input
+    tuple_items: dict[int, list[fx.Node | None]]  # core node id -> getitem FX nodes per output
+    value_of: dict[fx.Node, int] = field(default_factory=dict)  # FX node -> core value id
+    seq_symbols: set = field(default_factory=set)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        name = t
+    else:
+        name = getattr(t, "__name__", None) or str(t)
+    if name.endswith("_") and not name.startswith("_") and name not in ("and_", "or_"):
+        name = name[:-1]  # in-place variants
+    return name
+
+
+def _target_text(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return f"Tensor.{t}"
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", str(t))
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if mod.startswith("torch._C._nn") or mod == "torch.nn.functional":
+        return f"torch.nn.functional.{name}"
+    if mod.startswith("torch"):
+        return f"torch.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
+
+
+def source_loc(node: fx.Node) -> Any:
+    """The innermost user frame of the node's stack trace."""
+    loc = _core.SourceLoc()
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME.findall(trace)
+    if frames:
+        file, line, code = frames[-1]
+        loc.file = file.split("/")[-1] if "/site-packages/" not in file else file.split("site-packages/")[-1]
+        loc.line = int(line)
+        loc.code = code.strip()
+    return loc
+
+
+def _example(node: Any) -> Any:
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def _is_tensor_node(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(_example(a), torch.Tensor)
+
+
+class _Converter:
+    def __init__(self, gm: fx.GraphModule, seq_dim: int, example_inputs: list[Any]) -> None:
+        self.gm = gm
+        self.seq_dim = seq_dim
+        self.example_inputs = example_inputs
+        self.g = _core.Graph()
+        self.res = BridgeResult(self.g, [], {}, {})
+        self.shape_env = None
+
+    # -- sizes ---------------------------------------------------------------------------
+    def _expr(self, s: Any) -> Any:
+        expr = s.node.expr
+        if self.shape_env is not None:
+            try:
+                expr = self.shape_env.replace(expr)
+            except Exception:  # older/newer ShapeEnv without replace(): use as is
+                pass
+        return expr
+
+    def dim(self, s: Any) -> Any:
+        if isinstance(s, int):
+            return _core.Dim.constant(int(s))
+        expr = self._expr(s)
+        if expr.is_Integer:
+            return _core.Dim.constant(int(expr))
+        coef, rest = expr.as_coeff_Mul()
+        if coef.is_Integer:
+            if rest in self.res.seq_symbols:
+                return _core.Dim.seq(int(coef), 1)
+            if rest.is_Pow and rest.base in self.res.seq_symbols and rest.exp.is_Integer:
+                return _core.Dim.seq(int(coef), int(rest.exp))
+        return _core.Dim.expr(str(expr))
+
+    def value_for(self, ex: Any) -> Any:
+        v = _core.Value()
+        if isinstance(ex, torch.Tensor):
+            v.kind = _core.ValueKind.Tensor
+            v.shape = [self.dim(s) for s in ex.shape]
+            v.dtype = _DTYPES.get(ex.dtype, str(ex.dtype).replace("torch.", ""))
+            v.requires_grad = bool(ex.requires_grad)
+        elif isinstance(ex, torch.SymInt):
+            v.kind = _core.ValueKind.Symbol
+        else:
+            v.kind = _core.ValueKind.Other
+        return v
+
+    # -- driver --------------------------------------------------------------------------
+    def run(self) -> BridgeResult:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self._find_seq_symbols(placeholders)
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and node.target is operator.getitem and self._is_tuple_item(node):
+                continue  # an output of a multi-output node; mapped there
+            self.convert(node)
+        return self.res
+
+    def _find_seq_symbols(self, placeholders: list[fx.Node]) -> None:
+        for n in placeholders:
+            ex = _example(n)
+            if isinstance(ex, torch.Tensor) and ex.dim() > self.seq_dim:
+                if self.shape_env is None and isinstance(ex.shape[self.seq_dim], torch.SymInt):
+                    self.shape_env = ex.shape[self.seq_dim].node.shape_env
+                s = ex.shape[self.seq_dim]
+                if isinstance(s, torch.SymInt):
+                    expr = self._expr(s)
+                    if expr.is_Symbol:
+                        self.res.seq_symbols.add(expr)
+
+    def _is_tuple_item(self, node: fx.Node) -> bool:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and isinstance(_example(src), (tuple, list)) and src in self.tuple_nodes
+
+    @property
+    def tuple_nodes(self) -> set:
+        if not hasattr(self, "_tuple_nodes"):
+            self._tuple_nodes: set = set()
+        return self._tuple_nodes
+
+    def add_node(self, node: fx.Node, op: str, inputs: list[tuple[fx.Node | None, ArgPath]],
+                 attrs: dict[str, Any]) -> None:
+        core = _core.Node()
+        core.op = op
+        core.target = _target_text(node) if node.op in ("call_function", "call_method") else node.op
+        core.inputs = [self.res.value_of[a] if a is not None else -1 for a, _ in inputs]
+        core.attrs = attrs
+        core.loc = source_loc(node)
+        ex = _example(node)
+        outs: list[int] = []
+        items: list[fx.Node | None] = []
+        if node.op == "output":
+            pass
+        elif isinstance(ex, (tuple, list)) and any(isinstance(e, torch.Tensor) for e in ex):
+            self.tuple_nodes.add(node)
+            users = {u.args[1]: u for u in node.users if u.target is operator.getitem and isinstance(u.args[1], int)}
+            for i, e in enumerate(ex):
+                vid = self.g.add_value(self.value_for(e))
+                outs.append(vid)
+                user = users.get(i)
+                items.append(user)
+                if user is not None:
+                    self.res.value_of[user] = vid
+        else:
+            vid = self.g.add_value(self.value_for(ex))
+            outs.append(vid)
+            self.res.value_of[node] = vid
+        core.outputs = outs
+        idx = self.g.add_node(core)
+        assert idx == len(self.res.fx_nodes)
+        self.res.fx_nodes.append(node)
+        self.res.input_paths[idx] = [p for _, p in inputs]
+        if items:
+            self.res.tuple_items[idx] = items
+
+    def convert(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            ex = _example(node)
+            idx = len(self.res.fx_nodes)
+            role = "data"
+            if idx < len(self.example_inputs):
+                real = self.example_inputs[idx]
+                if isinstance(real, torch.nn.Parameter):
+                    role = "param"
+                elif "_buffers_" in node.name:
+                    role = "buffer"
+            if "_parameters_" in node.name:
+                role = "param"
+            if not isinstance(ex, torch.Tensor):
+                role = "symbol"
+            self.add_node(node, "input", [], {"role": role, "name": node.name})
+            return
+        if node.op == "output":
+            inputs = []
+            for i, a in enumerate(_flatten_args(node.args[0], ("args", 0))):
+                n, path = a
+                if n in self.res.value_of and _is_tensor_node(n):
+                    inputs.append((n, path))
+            self.add_node(node, "output", inputs, {})
+            return
+        if node.op == "get_attr":
+            self.add_node(node, "input", [], {"role": "const", "name": str(node.target)})
+            return
+        op, inputs, attrs = canonicalize(node)
+        inputs = [(n, p) for n, p in inputs if n is None or n in self.res.value_of]
+        self.add_node(node, op, inputs, attrs)
+
+
+def _flatten_args(a: Any, path: ArgPath) -> Iterable[tuple[Any, ArgPath]]:
+    if isinstance(a, (tuple, list)):
+        for j, x in enumerate(a):
+            yield from _flatten_args(x, path + (j,))
+    else:
+        yield a, path
+
+
+def _tensor_inputs(node: fx.Node, only: Iterable[int] | None = None,
+                   kw: Iterable[str] | None = None) -> list[tuple[fx.Node, ArgPath]]:
+    out = []
+    for i, a in enumerate(node.args):
+        if only is not None and i not in only:
+            continue
+        for n, p in _flatten_args(a, ("args", i)):
+            if _is_tensor_node(n):
+                out.append((n, p))
+    for k, a in node.kwargs.items():
+        if kw is not None and k not in kw:
+            continue
+        for n, p in _flatten_args(a, ("kwargs", k)):
+            if _is_tensor_node(n):
+                out.append((n, p))
+    return out
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _rank(n: Any) -> int:
+    ex = _example(n)
+    return ex.dim() if isinstance(ex, torch.Tensor) else 0
+
+
+def _norm(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _int(x: Any) -> int:
+    if isinstance(x, fx.Node):
+        ex = _example(x)
+        return int(ex) if not isinstance(ex, torch.SymInt) else 1
+    return int(x)
+
+
+def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath]], dict[str, Any]]:
+    """(canonical op, tensor operands with their arg paths, attributes) for one FX node."""
+    if node.op not in ("call_function", "call_method"):
+        return node.op, _tensor_inputs(node), {}
+    name = _target_name(node)
+    name = _ALIASES.get(name, name)
+    ex = _example(node)
+    x = node.args[0] if node.args else None
+    xr = _rank(x)
+
+    if name in _NONTENSOR or (not isinstance(ex, (torch.Tensor, tuple, list)) and not _tensor_inputs(node)):
+        return ("sym_arith" if isinstance(ex, (torch.SymInt, int, float)) else "nontensor"), [], {}
+    if name in ("size", "sym_size", "dim", "numel", "stride") or (name == "getattr"):
+        if name in ("size", "sym_size") and len(node.args) > 1:
+            return "sym_size", _tensor_inputs(node, only=[0]), {"dim": _norm(_int(node.args[1]), xr)}
+        return "nontensor", [], {}
+    if name == "getitem":
+        if isinstance(_example(x), torch.Tensor):
+            return _canon_index(node)
+        return "nontensor", [], {}
+    if name in _CASTS:
+        return "to", _tensor_inputs(node, only=[0]), {}
+    if name in ("max", "min") and len(node.args) > 1 and _is_tensor_node(node.args[1]):
+        return ("maximum" if name == "max" else "minimum"), _tensor_inputs(node), {}
+    if name in _REDUCTIONS:
+        dims = _arg(node, 1, "dim")
+        if dims is None:
+            dims = node.kwargs.get("axis")
+        if isinstance(dims, (int, fx.Node)):
+            dims = [dims]
+        dims = [] if dims is None else [_norm(_int(d), xr) for d in dims]
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        return name, _tensor_inputs(node, only=[0]), {"dims": dims, "keepdim": keepdim}
+    if name in _ALONG_DIM:
+        return name, _tensor_inputs(node, only=[0]), {"dim": _norm(_int(_arg(node, 1, "dim", -1)), xr)}
+    if name in ("layer_norm", "rms_norm", "group_norm"):
+        shape = _arg(node, 1, "normalized_shape")
+        count = len(shape) if isinstance(shape, (tuple, list)) else 1
+        return "layer_norm", _tensor_inputs(node), {"norm_dims": count}
+    if name in _RESHAPES:
+        return "reshape", _tensor_inputs(node, only=[0]), {}
+    if name in ("expand", "expand_as", "broadcast_to"):
+        return "expand", _tensor_inputs(node, only=[0]), {}
+    if name in ("transpose", "permute", "t", "movedim", "moveaxis"):
+        return "permute", _tensor_inputs(node, only=[0]), {"perm": _perm(node, name, xr)}
+    if name in ("narrow", "select"):
+        d = _norm(_int(_arg(node, 1, "dim")), xr)
+        dim_map = list(range(xr))
+        if name == "select":
+            dim_map = [i if i < d else (-1 if i == d else i - 1) for i in range(xr)]
+        return "index", _tensor_inputs(node, only=[0]), {"dim_map": dim_map, "sliced_dims": [d]}
+    if name in ("cat", "stack"):
+        rank = ex.dim() if isinstance(ex, torch.Tensor) else 0
+        return name, _tensor_inputs(node, only=[0], kw=["tensors"]), {"dim": _norm(_int(_arg(node, 1, "dim", 0)), rank)}
+    if name in ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"):
+        default = 0
+        d = _arg(node, 1 if name == "unbind" else 2, "dim", default)
+        return ("split" if name != "unbind" else "unbind"), _tensor_inputs(node, only=[0]), {"dim": _norm(_int(d), xr)}
+    if name == "pad":
+        pad = _arg(node, 1, "pad")
+        return "pad", _tensor_inputs(node, only=[0]), {"pad": [_int(p) if not isinstance(p, fx.Node) else 1 for p in pad]}
+    if name in ("tril", "triu"):
+        return name, _tensor_inputs(node, only=[0]), {}
+    if name == "linear":
+        first = (node.args[0], ("args", 0)) if node.args else (node.kwargs["input"], ("kwargs", "input"))
+        return "linear", [first] + _tensor_inputs(node, only=[1, 2], kw=["weight", "bias"]), {}
+    if name == "matmul":
+        return "matmul", _tensor_inputs(node), {}
+    if name == "embedding":
+        return "embedding", _tensor_inputs(node, only=[0, 1], kw=["input", "weight"]), {}
+    if name == "sdpa":
+        ins: list[tuple[fx.Node | None, ArgPath]] = []
+        for i, k in enumerate(("query", "key", "value", "attn_mask")):
+            if len(node.args) > i:
+                a, p = node.args[i], ("args", i)
+            else:
+                a, p = node.kwargs.get(k), ("kwargs", k)
+            ins.append((a if _is_tensor_node(a) else None, p))
+        if ins[3][0] is None:
+            ins = ins[:3]
+        attrs = {
+            "is_causal": bool(_arg(node, 5, "is_causal", False)),
+            "enable_gqa": bool(node.kwargs.get("enable_gqa", False)),
+        }
+        return "sdpa", ins, attrs
+    if name == "cross_entropy":
+        ins = []
+        for i, k in enumerate(("input", "target", "weight")):
+            a, p = (node.args[i], ("args", i)) if len(node.args) > i else (node.kwargs.get(k), ("kwargs", k))
+            ins.append((a if _is_tensor_node(a) else None, p))
+        if ins[2][0] is None:
+            ins = ins[:2]
+        return "cross_entropy", ins, {
+            "reduction": str(_arg(node, 6, "reduction", "mean")),
+            "ignore_index": _int(_arg(node, 4, "ignore_index", -100)),
+        }
+    if name in _FACTORIES or name == "new_full":
+        return ("new_full" if name == "new_full" else name), [], {}
+    if name in ("fill_like",):
+        return "fill_like", _tensor_inputs(node, only=[0]), {}
+    if name in _ELEMENTWISE:
+        return name, _tensor_inputs(node), {}
+    return name, _tensor_inputs(node), {}
+
+
+def _perm(node: fx.Node, name: str, rank: int) -> list[int]:
+    perm = list(range(rank))
+    if name == "t":
+        return perm[::-1] if rank == 2 else perm
+    if name == "transpose":
+        a, b = _norm(_int(node.args[1]), rank), _norm(_int(node.args[2]), rank)
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if name == "permute":
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        if not dims:
+            dims = node.kwargs.get("dims", ())
+        return [_norm(_int(d), rank) for d in dims]
+    # movedim(source, destination)
+    src, dst = node.args[1], node.args[2]
+    src = [src] if not isinstance(src, (tuple, list)) else list(src)
+    dst = [dst] if not isinstance(dst, (tuple, list)) else list(dst)
+    src = [_norm(_int(s), rank) for s in src]
+    dst = [_norm(_int(d), rank) for d in dst]
+    out = [-1] * rank
+    for s, d in zip(src, dst):
+        out[d] = s
+    rest = iter(i for i in range(rank) if i not in src)
+    return [o if o >= 0 else next(rest) for o in out]
+
+
+def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
+    x, idx = node.args[0], node.args[1]
+    rank = _rank(x)
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    inputs = [(x, ("args", 0))]
+    # Expand the Ellipsis.
+    n_consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
+    expanded: list[Any] = []
+    for it in items:
+        if it is Ellipsis:
+            expanded.extend([slice(None)] * (rank - n_consuming))
+        else:
+            expanded.append(it)
+    while sum(1 for it in expanded if it is not None) < rank:
+        expanded.append(slice(None))
+    dim_map: list[int] = []
+    sliced: list[int] = []
+    in_dim, out_dim = 0, 0
+    for j, it in enumerate(expanded):
+        if it is None:
+            out_dim += 1
+            continue
+        if isinstance(it, slice):
+            full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
+            if not full:
+                sliced.append(in_dim)
+            dim_map.append(out_dim)
+            in_dim += 1
+            out_dim += 1
+        elif isinstance(it, (int, fx.Node)) and not _is_tensor_node(it):
+            dim_map.append(-1)
+            sliced.append(in_dim)
+            in_dim += 1
+        else:
+            # Advanced (tensor) indexing: treated as taking the dim apart.
+            dim_map.append(-1)
+            sliced.append(in_dim)
+            in_dim += 1
+            if _is_tensor_node(it):
+                inputs.append((it, ("args", 1, j) if isinstance(idx, tuple) else ("args", 1)))
+    return "index", inputs, {"dim_map": dim_map, "sliced_dims": sliced}
+
+
+def fx_to_core(gm: fx.GraphModule, example_inputs: list[Any], seq_dim: int = 1) -> BridgeResult:
+    """Translate a Dynamo FX graph into the core IR."""
+    conv = _Converter(gm, seq_dim, example_inputs)
+    result = conv.run()
+    if not result.seq_symbols:
+        raise AutospError(
+            "[autosp:bridge] found no input with a symbolic sequence length in dim "
+            f"{seq_dim}; expected token ids (or embeddings) whose dim {seq_dim} is the sequence. "
+            "autosp.compile marks it dynamic for you; if you call torch.compile with "
+            "autosp.backend directly, call torch._dynamo.mark_dynamic(input_ids, seq_dim) first."
+        )
+    return result

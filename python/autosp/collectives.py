@@ -1,0 +1,148 @@
+"""The SP ops a plan inserts, as traceable functions with exact autograd.
+
+Each function below is what an `sp.*` node of the core plan becomes in the FX graph.
+They are built on torch.distributed's functional collectives, so AOTAutograd traces
+them into the joint graph (as `_c10d_functional` ops) and Inductor compiles them.
+
+Autograd follows from treating the loss on every rank as *the* single objective:
+
+- ``grad_sync``: identity forward; the backward all-reduces, because each rank's gradient
+  with respect to a replicated value it used on its chunk is one summand.
+- ``reduce_partial``: all-reduce forward; identity backward (each summand's gradient is
+  the gradient of the sum).
+- ``all_gather_seq``: gathers the sequence; the backward keeps the local chunk (not a sum:
+  every rank already holds the whole gradient of the replicated result).
+- ``all_to_all``: the backward is the inverse exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(t)
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReducePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _GradSync.apply(x, group)
+
+
+def reduce_partial(x: torch.Tensor, group: str) -> torch.Tensor:
+    if not x.is_floating_point():
+        return _all_reduce(x, group)
+    return _ReducePartial.apply(x, group)
+
+
+def local_chunk(x: torch.Tensor, dim: int, outer: int, inner: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's 1/world chunk of the factor of ``dim`` that lies between ``outer`` and
+    ``inner`` (the sequence factor of a possibly merged dim)."""
+    if outer == 1 and inner == 1:
+        n = x.size(dim) // world
+        return x.narrow(dim, rank * n, n)
+    t = x.unflatten(dim, (outer, -1, inner))
+    n = t.size(dim + 1) // world
+    return t.narrow(dim + 1, rank * n, n).flatten(dim, dim + 2)
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, outer: int, inner: int, group: str, rank: int,
+                world: int) -> torch.Tensor:
+        ctx.args = (dim, outer, inner, rank, world)
+        t = x.unflatten(dim, (outer, -1, inner))  # [.., outer, n, inner, ..]
+        g = _wait(funcol.all_gather_tensor(t.unsqueeze(0).contiguous(), 0, group))  # [world, .., outer, n, inner, ..]
+        g = g.movedim(0, dim + 1)  # [.., outer, world, n, inner, ..]
+        return g.flatten(dim, dim + 3)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        dim, outer, inner, rank, world = ctx.args
+        return (local_chunk(g, dim, outer, inner, rank, world),) + (None,) * 6
+
+
+def all_gather_seq(x: torch.Tensor, dim: int, outer: int, inner: int, group: str, rank: int,
+                   world: int) -> torch.Tensor:
+    return _AllGatherSeq.apply(x, dim, outer, inner, group, rank, world)
+
+
+def _exchange(xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, group: str,
+              world: int) -> list[torch.Tensor]:
+    """Scatter ``scatter_dim`` and gather ``gather_dim`` of every tensor in one
+    all-to-all: chunk p of each tensor's scatter dim goes to rank p, and the chunks a rank
+    receives are laid out along the gather dim in rank order."""
+    parts = []
+    metas = []
+    for x in xs:
+        t = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0)  # [world, ...]
+        metas.append(t.shape[1:])
+        parts.append(t.reshape(world, -1))
+    flat = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    out = _wait(funcol.all_to_all_single(flat.contiguous(), None, None, group))
+    sizes = [p.size(1) for p in parts]
+    pieces = torch.split(out, sizes, dim=1) if len(parts) > 1 else [out]
+    results = []
+    for piece, shape in zip(pieces, metas):
+        t = piece.reshape((world,) + tuple(shape))  # [world(src), ...local...]
+        # Place the source-rank dim right before the gather dim and merge them.
+        t = t.movedim(0, gather_dim)
+        results.append(t.flatten(gather_dim, gather_dim + 1))
+    return results
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, scatter_dim: int, gather_dim: int, group: str, world: int,
+                *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (scatter_dim, gather_dim, group, world)
+        return tuple(_exchange(xs, scatter_dim, gather_dim, group, world))
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple:
+        scatter_dim, gather_dim, group, world = ctx.args
+        back = _exchange([g.contiguous() for g in gs], gather_dim, scatter_dim, group, world)
+        return (None, None, None, None) + tuple(back)
+
+
+def all_to_all(xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, group: str,
+               world: int) -> tuple[torch.Tensor, ...]:
+    """One fused all-to-all for several tensors (q, k and v of one attention)."""
+    return _AllToAll.apply(scatter_dim, gather_dim, group, world, *xs)
+
+
+def repeat_heads(x: torch.Tensor, dim: int, repeats: int) -> torch.Tensor:
+    return torch.repeat_interleave(x, repeats, dim=dim)
+
+
+def count_valid(target: torch.Tensor, ignore_index: int, group: str) -> torch.Tensor:
+    """The number of targets != ignore_index over the whole SP group."""
+    local = (target != ignore_index).sum()
+    return _all_reduce(local, group)
