@@ -1,0 +1,479 @@
+"""autosp.remat: the C++ min-cut against networkx, every policy against no checkpointing, the
+sequence-aware saving order, collectives and random ops never recomputed, and user errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+
+import autosp.remat as remat
+from autosp import _core
+from autosp.errors import AutospError
+from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+nx = pytest.importorskip("networkx")
+
+INF = _core.INFINITE_CAPACITY
+
+# Small enough for CPU, long enough that attention dominates the step, so the sequence-aware
+# policy recomputes matmuls (the point of these tests).
+CFG = LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=86, num_layers=2, num_heads=2, num_kv_heads=2
+)
+SEQ = 512
+
+
+# ------------------------------------------------------------------------------------------
+# Max-flow vs networkx
+
+
+def _random_network(rng: random.Random, n: int, m: int, inf_prob: float):
+    edges = []
+    for _ in range(m):
+        u, v = rng.randrange(n), rng.randrange(n)
+        if u == v:
+            continue
+        cap = INF if rng.random() < inf_prob else rng.randrange(0, 1000)
+        edges.append((u, v, cap))
+    return edges
+
+
+def _nx_graph(n: int, edges):
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    for u, v, cap in edges:
+        # Parallel edges: networkx keeps one edge per pair, so sum capacities.
+        if g.has_edge(u, v):
+            old = g[u][v].get("capacity")
+            if old is None or cap == INF:
+                g[u][v].pop("capacity", None)
+            else:
+                g[u][v]["capacity"] = old + cap
+        elif cap == INF:
+            g.add_edge(u, v)  # no capacity attribute: infinite in networkx
+        else:
+            g.add_edge(u, v, capacity=cap)
+    return g
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_cut_value_matches_networkx(seed: int) -> None:
+    rng = random.Random(seed)
+    checked = unbounded = 0
+    for _ in range(40):
+        n = rng.randrange(4, 60)
+        edges = _random_network(rng, n, rng.randrange(n, 5 * n), inf_prob=0.15)
+        g = _nx_graph(n, edges)
+        try:
+            expected, _ = nx.minimum_cut(g, 0, n - 1)
+        except nx.NetworkXUnbounded:
+            with pytest.raises(OverflowError, match=r"\[maxflow\] no finite cut"):
+                _core.solve_min_cut(n, edges, 0, n - 1)
+            unbounded += 1
+            continue
+        cut = _core.solve_min_cut(n, edges, 0, n - 1)
+        assert cut.value == expected
+        # The cut separates source from sink and its edges sum to the value.
+        assert cut.source_side[0] and not cut.source_side[n - 1]
+        assert sum(edges[e][2] for e in cut.cut_edges) == cut.value
+        for u, v, _ in (edges[e] for e in cut.cut_edges):
+            assert cut.source_side[u] and not cut.source_side[v]
+        checked += 1
+    assert checked > 0
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CFG)
+
+
+def _batch(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG.vocab_size, (1, seq), generator=g)
+    labels = torch.randint(0, CFG.vocab_size, (1, seq), generator=g)
+    labels[0, :7] = -100
+    return ids, labels
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _run(model, fn, *args):
+    model.zero_grad(set_to_none=True)
+    loss = fn(*args)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _assert_close(loss, grads, ref_loss, ref_grads) -> None:
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        # 1e-5 relative to the gradient's scale (elementwise relative error is meaningless
+        # for entries that are exactly zero in one and 1e-12 in the other).
+        scale = ref_grads[name].abs().max()
+        err = (grads[name] - ref_grads[name]).abs().max()
+        assert err <= 1e-5 * scale, f"{name}: max error {err} vs scale {scale}"
+
+
+class SavedBytesMeter:
+    """Measures what the compiled forward really hands to the backward: the tensors its graph
+    returns after the user-visible outputs, deduplicated by storage, inputs (parameters, ids)
+    excluded. Wraps a partition function (to learn num_fwd_outputs) and is the forward
+    compiler."""
+
+    def __init__(self, partition_fn) -> None:
+        self.partition_fn = partition_fn
+        self.num_fwd_outputs = None
+        self.total = None
+
+    def partition(self, joint, inputs, *, num_fwd_outputs, **kwargs):
+        self.num_fwd_outputs = num_fwd_outputs
+        return self.partition_fn(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def fw_compiler(self, gm, example_inputs):
+        run = boxed_nop(gm, example_inputs)
+
+        def measured(args):
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            outs = run(args)
+            storages = {}
+            for t in outs[self.num_fwd_outputs :]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            self.total = sum(storages.values())
+            return outs
+
+        measured._boxed_call = True
+        return measured
+
+    def backend(self):
+        return aot_autograd(
+            fw_compiler=self.fw_compiler, bw_compiler=boxed_nop, partition_fn=self.partition
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Policies vs no checkpointing
+
+
+POLICIES = ["none", "default", "sequence-aware", remat.MemoryBudget(fraction=0.5)]
+
+
+@pytest.fixture(scope="module")
+def eager_reference():
+    model = _model()
+    ids, labels = _batch()
+    return _run(model, model, ids, labels)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_policy_matches_no_checkpointing(policy, eager_reference) -> None:
+    ref_loss, ref_grads = eager_reference
+    model = _model()
+    ids, labels = _batch()
+    report = remat.RematReport()
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=remat.backend(policy, backend="aot_eager", report=report), fullgraph=True
+    )
+    loss, grads = _run(model, compiled, ids, labels)
+    _assert_close(loss, grads, ref_loss, ref_grads)
+    assert len(report.graphs) == 1
+    graph = report.graphs[0]
+    recomputed_ops = {n.target for n in graph.recomputed()}
+    if policy == "sequence-aware" or isinstance(policy, remat.MemoryBudget):
+        # The point of the policy at this length: projections are recomputed.
+        assert "aten.mm.default" in recomputed_ops, recomputed_ops
+    else:
+        assert "aten.mm.default" not in recomputed_ops
+    if isinstance(policy, remat.MemoryBudget):
+        assert graph.saved_bytes <= 0.5 * graph.none_saved_bytes
+
+
+def _saved_bytes(partition_fn) -> int:
+    model = _model()
+    ids, labels = _batch()
+    meter = SavedBytesMeter(partition_fn)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=meter.backend(), fullgraph=True)
+    compiled(ids, labels).backward()
+    return meter.total
+
+
+def test_sequence_aware_saves_less_than_default() -> None:
+    measured, predicted = {}, {}
+    for policy in ("none", "default", "sequence-aware"):
+        report = remat.RematReport()
+        measured[policy] = _saved_bytes(remat.make_partition_fn(policy, report=report))
+        predicted[policy] = report.saved_bytes
+    assert measured["sequence-aware"] < measured["default"] <= measured["none"], measured
+    # The solver's accounting is what the forward really returns for the backward, except
+    # that it counts a saved view and its saved base twice.
+    for policy in measured:
+        assert measured[policy] <= predicted[policy], (policy, measured, predicted)
+
+
+def test_default_matches_pytorch_partitioner_bytes() -> None:
+    """Policy 'default' reproduces PyTorch's min_cut_rematerialization_partition: same saved
+    bytes on the same joint graph (ties may pick different but equal-sized values)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    ours = _saved_bytes(remat.make_partition_fn("default"))
+    theirs = _saved_bytes(min_cut_rematerialization_partition)
+    assert ours == theirs
+
+
+def test_dynamic_sequence_length_uses_hints() -> None:
+    """With a symbolic S the solver sees bytes at the actual S (the hint)."""
+    ids, labels = _batch()
+    reports = {}
+    for dynamic in (False, True):
+        model = _model()
+        report = remat.RematReport()
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            model,
+            backend=remat.backend("sequence-aware", backend="aot_eager", report=report),
+            fullgraph=True,
+            dynamic=dynamic,
+        )
+        if dynamic:
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(labels, 1)
+        compiled(ids, labels).backward()
+        reports[dynamic] = report.graphs[0]
+    assert reports[True].attention_flops == reports[False].attention_flops > 0
+    # Saved activations are the same tensors; a symbolic graph may also save a few SymInts.
+    assert abs(reports[True].saved_bytes - reports[False].saved_bytes) < 64
+
+
+def test_report_lists_layers() -> None:
+    model = _model()
+    ids, labels = _batch()
+    report = remat.RematReport()
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=remat.backend("sequence-aware", backend="aot_eager", report=report)
+    )
+    compiled(ids, labels).backward()
+    graph = report.graphs[0]
+    layers = {row.layer: row for row in graph.layers}
+    assert {"layers.0", "layers.1"} <= layers.keys()
+    for name in ("layers.0", "layers.1"):
+        assert layers[name].recompute_flops > 0 and layers[name].saved_bytes > 0
+    assert sum(row.saved_bytes for row in graph.layers) == graph.saved_bytes
+    text = str(report)
+    assert "remat policy sequence-aware" in text and "layers.1" in text
+    for node in graph.recomputed():
+        assert node.ban_reason == ""
+    attention = [n for n in graph.nodes if "scaled_dot_product" in n.target]
+    assert attention and all(n.fate != "recomputed" and n.ban_reason == "attention" for n in attention)
+
+
+# ------------------------------------------------------------------------------------------
+# Collectives and random ops
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def _collectives(gm: fx.GraphModule) -> list[str]:
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
+    ]
+
+
+def test_collectives_are_never_recomputed(single_rank_group) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    group = single_rank_group
+
+    class GatherSeq(torch.autograd.Function):
+        # The shape of autosp's SP collectives: a Python function over an autograd.Function
+        # whose forward and backward call functional collectives.
+        @staticmethod
+        def forward(ctx, x):
+            return funcol.all_gather_tensor(x, 1, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return funcol.reduce_scatter_tensor(grad, "sum", 1, group)
+
+    def gather_seq(x):
+        return GatherSeq.apply(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16, bias=False)
+            self.b = torch.nn.Linear(16, 16, bias=False)
+
+        def forward(self, x):
+            gathered = gather_seq(self.a(x))
+            # Cheap pointwise ops after the collective: recomputing them from the gather's input
+            # would be the cheapest cut if the collective were allowed to be recomputed.
+            return self.b(torch.relu(gathered) * 2).pow(2).sum()
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 64, 16)
+    ref_loss, ref_grads = _run(model, model, x)
+    for policy in ("none", "default", "sequence-aware", remat.MemoryBudget(fraction=0.6)):
+        graphs: dict[str, fx.GraphModule] = {}
+
+        def capture(name):
+            def compiler(gm, example_inputs):
+                graphs[name] = gm
+                return boxed_nop(gm, example_inputs)
+
+            return compiler
+
+        report = remat.RematReport()
+        torch._dynamo.reset()
+        backend = aot_autograd(
+            fw_compiler=capture("fw"),
+            bw_compiler=capture("bw"),
+            partition_fn=remat.make_partition_fn(policy, recompute_flops_ratio=1e9, report=report),
+        )
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        loss, grads = _run(model, compiled, x)
+        _assert_close(loss, grads, ref_loss, ref_grads)
+        fw, bw = _collectives(graphs["fw"]), _collectives(graphs["bw"])
+        assert "_c10d_functional.all_gather_into_tensor.default" in fw
+        # The backward holds only the backward's own collective (reduce-scatter + wait).
+        assert bw == [
+            "_c10d_functional.reduce_scatter_tensor.default",
+            "_c10d_functional.wait_tensor.default",
+        ], (policy, bw)
+        collective_nodes = [n for n in report.graphs[0].nodes if "_c10d_functional" in n.target]
+        assert collective_nodes
+        for node in collective_nodes:
+            assert node.fate != "recomputed" and node.ban_reason, (policy, node)
+
+
+def test_random_ops_are_never_recomputed() -> None:
+    class Dropped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(16, 64, bias=False)
+            self.b = torch.nn.Linear(64, 16, bias=False)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.dropout(torch.relu(self.a(x)), p=0.5)).pow(2).sum()
+
+    x = torch.randn(4, 32, 16)
+    results = {}
+    for policy in ("none", "sequence-aware"):
+        torch.manual_seed(0)
+        model = Dropped()
+        report = remat.RematReport()
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            model,
+            backend=remat.backend(
+                policy, backend="aot_eager", recompute_flops_ratio=1e9, report=report
+            ),
+            fullgraph=True,
+        )
+        torch.manual_seed(123)
+        results[policy] = _run(model, compiled, x)
+        random_nodes = [
+            n for n in report.graphs[0].nodes if n.ban_reason in ("random op", "policy 'none'")
+            and ("dropout" in n.target or "rand" in n.target or "bernoulli" in n.target)
+        ]
+        assert random_nodes, [n.target for n in report.graphs[0].nodes]
+        assert all(n.fate != "recomputed" for n in random_nodes)
+    # Same seed, same masks: recomputing anything else must not change the result.
+    _assert_close(*results["sequence-aware"], *results["none"])
+
+
+# ------------------------------------------------------------------------------------------
+# Errors users can hit
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(AutospError, match=r"\[remat\] unknown policy 'fast'; expected one of "
+                       r"'none', 'default', 'sequence-aware' or a MemoryBudget"):
+        remat.make_partition_fn("fast")
+    with pytest.raises(AutospError, match=r"\[remat\] unknown backend 'tvm'"):
+        remat.backend("none", backend="tvm")
+    with pytest.raises(AutospError, match=r"recompute_flops_ratio must be a finite number >= 0, got -1"):
+        remat.make_partition_fn("sequence-aware", recompute_flops_ratio=-1)
+
+
+def test_memory_budget_is_validated() -> None:
+    with pytest.raises(AutospError, match=r"exactly one of bytes= or fraction="):
+        remat.MemoryBudget()
+    with pytest.raises(AutospError, match=r"exactly one of bytes= or fraction="):
+        remat.MemoryBudget(bytes=10, fraction=0.5)
+    with pytest.raises(AutospError, match=r"fraction must be in \(0, 1\], got 1.5"):
+        remat.MemoryBudget(fraction=1.5)
+    with pytest.raises(AutospError, match=r"bytes must be an int >= 0, got -4"):
+        remat.MemoryBudget(bytes=-4)
+
+
+def test_unreachable_budget_is_a_clear_error() -> None:
+    model = _model()
+    ids, labels = _batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=remat.backend(remat.MemoryBudget(bytes=1024), backend="aot_eager")
+    )
+    with pytest.raises(Exception) as info:
+        compiled(ids, labels)
+    err = info.value
+    # Dynamo wraps backend errors in BackendCompilerFailed, whose message carries ours.
+    err = getattr(err, "inner_exception", err)
+    assert isinstance(err, AutospError), repr(info.value)
+    message = str(err)
+    assert message.startswith("[remat] memory budget of 1024 bytes cannot be met: recomputing "
+                              "everything the sequence-aware policy allows")
+    assert "attention, collectives and random ops are never recomputed" in message
+    assert message.endswith("[policy sequence-aware, budget 1024 bytes; joint graph of 485 nodes]")
+
+
+# ------------------------------------------------------------------------------------------
+# Inductor
+
+
+def test_inductor_uses_the_partitioner() -> None:
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=86, num_layers=1, num_heads=2,
+        num_kv_heads=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids, labels = _batch(256)
+    ref_loss, ref_grads = _run(model, model, ids, labels)
+    report = remat.RematReport()
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=remat.backend("sequence-aware", backend="inductor", report=report),
+        fullgraph=True,
+    )
+    loss, grads = _run(model, compiled, ids, labels)
+    assert len(report.graphs) == 1 and report.graphs[0].saved_bytes > 0
+    _assert_close(loss, grads, ref_loss, ref_grads)
