@@ -10,9 +10,7 @@ namespace {
 constexpr const char* kPass = "placement";
 
 const Value& input_value(const RuleInput& r, size_t i) { return r.graph.value(r.node.inputs[i]); }
-const Value& output_value(const RuleInput& r, size_t i) {
-  return r.graph.value(r.node.outputs[i]);
-}
+const Value& output_value(const RuleInput& r, size_t i) { return r.graph.value(r.node.outputs[i]); }
 
 RuleResult keep_all(const RuleInput& r, std::vector<Placement> out) {
   RuleResult res;
@@ -35,8 +33,8 @@ std::string describe_input(const RuleInput& r, size_t i) {
          r.in[i].str();
 }
 
-[[noreturn]] void conflict(const RuleInput& r, const std::string& found, const std::string& expected,
-                           const std::string& hint = "") {
+[[noreturn]] void conflict(const RuleInput& r, const std::string& found,
+                           const std::string& expected, const std::string& hint = "") {
   throw PlanError(kPass, r.node, found, expected, hint);
 }
 
@@ -87,7 +85,8 @@ RuleResult rule_elementwise(const RuleInput& r) {
     if (k < 0) continue;  // broadcast along a dim the operand lacks
     if (v.shape[k].is_one()) continue;
     if (!(v.shape[k] == out.shape[shard->dim]))
-      conflict(r, describe_input(r, i) + " whose dim " + std::to_string(k) + " is " + v.shape[k].str(),
+      conflict(r,
+               describe_input(r, i) + " whose dim " + std::to_string(k) + " is " + v.shape[k].str(),
                "size " + out.shape[shard->dim].str() + " or 1 along the sharded dim");
     res.operands[i] = OperandChange::slice(k, shard->inner);
   }
@@ -112,7 +111,9 @@ RuleResult rule_reduction(const RuleInput& r) {
   const Placement& p = r.in[0];
   if (std::find(dims.begin(), dims.end(), p.dim) == dims.end()) {
     int d = p.dim;
-    if (!keepdim) d -= static_cast<int>(std::count_if(dims.begin(), dims.end(), [&](int k) { return k < p.dim; }));
+    if (!keepdim)
+      d -= static_cast<int>(
+          std::count_if(dims.begin(), dims.end(), [&](int k) { return k < p.dim; }));
     return keep_all(r, std::vector<Placement>(r.node.outputs.size(), Placement::shard(d, p.inner)));
   }
   if (r.node.op == "sum") return keep_all(r, {Placement::partial()});
@@ -121,9 +122,10 @@ RuleResult rule_reduction(const RuleInput& r) {
     res.expansion = "mean_partial";
     return res;
   }
-  conflict(r, describe_input(r, 0) + ", reduced along the sharded sequence dim " + std::to_string(p.dim),
-           "a sum or mean (which reduce exactly across ranks), or a reduction over other dims",
-           "Reductions such as max/logsumexp/var over the whole sequence are not supported yet.");
+  conflict(
+      r, describe_input(r, 0) + ", reduced along the sharded sequence dim " + std::to_string(p.dim),
+      "a sum or mean (which reduce exactly across ranks), or a reduction over other dims",
+      "Reductions such as max/logsumexp/var over the whole sequence are not supported yet.");
 }
 
 // ---- ops along one dim that must not be the sharded one (softmax, cumsum, ...) ---------
@@ -171,7 +173,8 @@ RuleResult rule_permute(const RuleInput& r) {
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
   const auto perm = r.node.ints_attr("perm");
   for (size_t i = 0; i < perm.size(); ++i)
-    if (perm[i] == r.in[0].dim) return keep_all(r, {Placement::shard(static_cast<int>(i), r.in[0].inner)});
+    if (perm[i] == r.in[0].dim)
+      return keep_all(r, {Placement::shard(static_cast<int>(i), r.in[0].inner)});
   conflict(r, "a permutation " + attr_str(perm) + " that drops dim " + std::to_string(r.in[0].dim),
            "a permutation of all dims");
 }
@@ -193,9 +196,11 @@ RuleResult rule_index(const RuleInput& r) {
   const int d = r.in[0].dim;
   const auto sliced = r.node.ints_attr("sliced_dims");
   const auto dim_map = r.node.ints_attr("dim_map");
-  if (std::find(sliced.begin(), sliced.end(), d) != sliced.end() || d >= static_cast<int>(dim_map.size()) ||
-      dim_map[d] < 0)
-    conflict(r, describe_input(r, 0) + ", indexed or sliced along the sharded sequence dim " + std::to_string(d),
+  if (std::find(sliced.begin(), sliced.end(), d) != sliced.end() ||
+      d >= static_cast<int>(dim_map.size()) || dim_map[d] < 0)
+    conflict(r,
+             describe_input(r, 0) + ", indexed or sliced along the sharded sequence dim " +
+                 std::to_string(d),
              "the sequence dim taken whole",
              "Each rank holds only its chunk of the sequence. Shift or slice sequences before "
              "the sequence is sharded: for a causal LM loss, shift the labels (e.g. "
@@ -235,7 +240,8 @@ RuleResult rule_split(const RuleInput& r) {
   const int d = norm_dim(r.node.int_attr("dim", 0), x.rank());
   const Placement p = r.in[0];
   if (p.dim == d)
-    conflict(r, describe_input(r, 0) + ", split along its sharded sequence dim", "a split along another dim");
+    conflict(r, describe_input(r, 0) + ", split along its sharded sequence dim",
+             "a split along another dim");
   Placement outp = p;
   if (r.node.op == "unbind" && p.dim > d) outp.dim -= 1;
   return keep_all(r, std::vector<Placement>(r.node.outputs.size(), outp));
@@ -319,7 +325,8 @@ RuleResult rule_matmul(const RuleInput& r) {
                "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
     outp = p;
   };
-  if (pa.is_shard()) set(Placement::shard(pa.dim == a.rank() - 2 ? ro - 2 : pa.dim + (ro - a.rank()), pa.inner));
+  if (pa.is_shard())
+    set(Placement::shard(pa.dim == a.rank() - 2 ? ro - 2 : pa.dim + (ro - a.rank()), pa.inner));
   if (pb.is_shard()) {
     if (pb.dim == b.rank() - 1)
       set(Placement::shard(ro - 1, pb.inner));
@@ -379,21 +386,25 @@ RuleResult rule_factory(const RuleInput& r) { return keep_all(r, all_replicate(r
 const std::map<std::string, OpRule>& registry() {
   static const std::map<std::string, OpRule> rules = [] {
     std::map<std::string, OpRule> m;
-    for (const char* op : {"add", "sub", "rsub"}) m[op] = {rule_elementwise, PartialBehaviour::Additive};
+    for (const char* op : {"add", "sub", "rsub"})
+      m[op] = {rule_elementwise, PartialBehaviour::Additive};
     for (const char* op : {"mul", "div"}) m[op] = {rule_elementwise, PartialBehaviour::Scale};
-    for (const char* op : {"neg", "to", "contiguous", "clone"}) m[op] = {rule_elementwise, PartialBehaviour::Unary};
+    for (const char* op : {"neg", "to", "contiguous", "clone"})
+      m[op] = {rule_elementwise, PartialBehaviour::Unary};
     for (const char* op :
-         {"pow",     "rsqrt", "sqrt",        "exp",         "exp2",        "log",        "log1p",   "silu",
-          "gelu",    "relu",  "tanh",        "sigmoid",     "cos",         "sin",        "abs",     "where",
-          "masked_fill", "clamp", "eq",      "ne",          "lt",          "le",         "gt",      "ge",
-          "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "maximum", "minimum",
-          "dropout", "fill_like", "erf",   "reciprocal",  "floor_divide", "remainder",  "softplus",   "square",  "sign",
-          "mish",    "leaky_relu", "elu",    "hardtanh",    "detach",      "isnan",   "nan_to_num"})
+         {"pow",         "rsqrt",      "sqrt",        "exp",         "exp2",        "log",
+          "log1p",       "silu",       "gelu",        "relu",        "tanh",        "sigmoid",
+          "cos",         "sin",        "abs",         "where",       "masked_fill", "clamp",
+          "eq",          "ne",         "lt",          "le",          "gt",          "ge",
+          "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or",  "maximum",
+          "minimum",     "dropout",    "fill_like",   "erf",         "reciprocal",  "floor_divide",
+          "remainder",   "softplus",   "square",      "sign",        "mish",        "leaky_relu",
+          "elu",         "hardtanh",   "detach",      "isnan",       "nan_to_num"})
       m[op] = {rule_elementwise, PartialBehaviour::Reduce};
     m["sum"] = {rule_reduction, PartialBehaviour::Unary};
     m["mean"] = {rule_reduction, PartialBehaviour::Unary};
-    for (const char* op : {"amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "norm", "all",
-                           "any", "argmax", "argmin"})
+    for (const char* op : {"amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "norm",
+                           "all", "any", "argmax", "argmin"})
       m[op] = {rule_reduction, PartialBehaviour::Reduce};
     for (const char* op : {"softmax", "log_softmax", "cumsum", "cumprod", "layer_norm_dim"})
       m[op] = {rule_along_dim, PartialBehaviour::Reduce};
@@ -404,7 +415,8 @@ const std::map<std::string, OpRule>& registry() {
     m["index"] = {rule_index, PartialBehaviour::Reduce};
     m["cat"] = {rule_cat, PartialBehaviour::Reduce};
     m["stack"] = {rule_cat, PartialBehaviour::Reduce};
-    for (const char* op : {"split", "chunk", "unbind"}) m[op] = {rule_split, PartialBehaviour::Reduce};
+    for (const char* op : {"split", "chunk", "unbind"})
+      m[op] = {rule_split, PartialBehaviour::Reduce};
     m["pad"] = {rule_pad, PartialBehaviour::Reduce};
     m["tril"] = {rule_tril, PartialBehaviour::Reduce};
     m["triu"] = {rule_tril, PartialBehaviour::Reduce};
@@ -445,7 +457,8 @@ std::optional<Placement> reshape_shard(const std::vector<Dim>& in, const std::ve
                                        const Placement& p) {
   if (!p.is_shard()) return p;
   // Elements to the right of the sequence factor, in row-major order.
-  const Dim stride = Dim::constant(p.inner) * product(in, static_cast<size_t>(p.dim) + 1, in.size());
+  const Dim stride =
+      Dim::constant(p.inner) * product(in, static_cast<size_t>(p.dim) + 1, in.size());
   if (stride.is_opaque()) return std::nullopt;
   for (int j = static_cast<int>(out.size()) - 1; j >= 0; --j) {
     const Dim tail = product(out, static_cast<size_t>(j) + 1, out.size());

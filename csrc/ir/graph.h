@@ -51,8 +51,8 @@ struct SourceLoc {
 
 struct Node {
   int id = -1;
-  std::string op;      // canonical op name, e.g. "linear", "view", "sp.all_to_all"
-  std::string target;  // the op as the user wrote it, e.g. "torch.nn.functional.linear"
+  std::string op;            // canonical op name, e.g. "linear", "view", "sp.all_to_all"
+  std::string target;        // the op as the user wrote it, e.g. "torch.nn.functional.linear"
   std::vector<int> inputs;   // value ids; -1 for an absent optional operand
   std::vector<int> outputs;  // value ids
   Attrs attrs;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <tuple>
@@ -20,7 +21,8 @@ bool is_float(const std::string& dtype) {
 
 class PlanBuilder {
  public:
-  PlanBuilder(const Graph& in, const SpConfig& cfg) : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {}
+  PlanBuilder(const Graph& in, const SpConfig& cfg)
+      : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {}
 
   SpPlan run() {
     for (const Node& n : in_.nodes) {
@@ -35,7 +37,38 @@ class PlanBuilder {
       else
         emit_generic(n);
     }
+    eliminate_dead_nodes();
     return SpPlan{std::move(out_), std::move(place_)};
+  }
+
+  // Drops nodes whose results nothing uses (full-length originals whose slices were
+  // hoisted); inputs, the output and side-effecting nodes stay.
+  void eliminate_dead_nodes() {
+    std::vector<int> uses(out_.values.size(), 0);
+    for (const Node& n : out_.nodes) {
+      for (int v : n.inputs)
+        if (v >= 0) uses[static_cast<size_t>(v)] += 1;
+      for (int64_t v : n.ints_attr("refs")) uses[static_cast<size_t>(v)] += 1;
+    }
+    std::vector<bool> dead(out_.nodes.size(), false);
+    for (size_t i = out_.nodes.size(); i-- > 0;) {
+      const Node& n = out_.nodes[i];
+      if (n.op == "input" || n.op == "output" || n.op == "nontensor" || n.outputs.empty()) continue;
+      bool all_tensors = true;
+      for (int o : n.outputs) all_tensors = all_tensors && out_.value(o).is_tensor();
+      if (!all_tensors) continue;  // symbols feed size arguments the core does not see
+      bool used = false;
+      for (int o : n.outputs) used = used || uses[static_cast<size_t>(o)] > 0;
+      if (used) continue;
+      dead[i] = true;
+      for (int v : n.inputs)
+        if (v >= 0) uses[static_cast<size_t>(v)] -= 1;
+    }
+    std::vector<Node> kept;
+    for (size_t i = 0; i < out_.nodes.size(); ++i)
+      if (!dead[i]) kept.push_back(std::move(out_.nodes[i]));
+    for (size_t i = 0; i < kept.size(); ++i) kept[i].id = static_cast<int>(i);
+    out_.nodes = std::move(kept);
   }
 
  private:
@@ -50,7 +83,9 @@ class PlanBuilder {
 
   int mapped(int old_id) const { return old_id < 0 ? -1 : vmap_.at(static_cast<size_t>(old_id)); }
   const Value& val(int id) const { return out_.value(id); }
-  Placement placement(int id) const { return id < 0 ? Placement::replicate() : place_.at(static_cast<size_t>(id)); }
+  Placement placement(int id) const {
+    return id < 0 ? Placement::replicate() : place_.at(static_cast<size_t>(id));
+  }
 
   int new_value(Value v, Placement p) {
     int id = out_.add_value(std::move(v));
@@ -81,6 +116,12 @@ class PlanBuilder {
     c.inputs = std::move(inputs);
     c.outputs.clear();
     for (const auto& [k, a] : updates) c.attrs[k] = a;
+    if (c.has_attr("refs")) {
+      // Tensors the op reads only for metadata (type_as, view_as): keep them alive.
+      std::vector<int64_t> refs;
+      for (int64_t r : c.ints_attr("refs")) refs.push_back(mapped(static_cast<int>(r)));
+      c.attrs["refs"] = refs;
+    }
     for (size_t i = 0; i < n.outputs.size(); ++i) {
       int id = new_value(in_.value(n.outputs[i]), outs.at(i));
       vmap_[static_cast<size_t>(n.outputs[i])] = id;
@@ -102,23 +143,110 @@ class PlanBuilder {
     auto key = std::make_tuple(v, dim, inner);
     auto it = slice_cache_.find(key);
     if (it != slice_cache_.end()) return it->second;
+    if (int hoisted = hoist_slice(v, dim, inner, loc); hoisted >= 0) {
+      slice_cache_[key] = hoisted;
+      return hoisted;
+    }
     const Dim& size = val(v).shape.at(static_cast<size_t>(dim));
     int64_t outer = 1;
     if (size.has_seq()) {
       if (size.power != 1 || size.coef % inner != 0)
-        throw std::invalid_argument("[plan_ulysses] cannot slice dim " + std::to_string(dim) + " of size " +
-                                    size.str() + " with inner " + std::to_string(inner));
+        throw std::invalid_argument("[plan_ulysses] cannot slice dim " + std::to_string(dim) +
+                                    " of size " + size.str() + " with inner " +
+                                    std::to_string(inner));
       outer = size.coef / inner;
     } else if (size.is_static() && size.coef % cfg_.sp_size != 0) {
       throw std::invalid_argument("[plan_ulysses] static dim of size " + size.str() +
-                                  " is not divisible by the SP degree " + std::to_string(cfg_.sp_size));
+                                  " is not divisible by the SP degree " +
+                                  std::to_string(cfg_.sp_size));
     }
     const int src = grad_sync(v, loc);
-    int id = emit("sp.slice", {src},
-                  {{"dim", int64_t{dim}}, {"inner", inner}, {"outer", outer}},
+    int id = emit("sp.slice", {src}, {{"dim", int64_t{dim}}, {"inner", inner}, {"outer", outer}},
                   {{val(v), Placement::shard(dim, inner)}}, loc)[0];
     slice_cache_[key] = id;
     return id;
+  }
+
+  // Slices a replicated, non-differentiable value by slicing the operands of its producer
+  // instead, when the producer is local along the sequence (elementwise, casts, reshapes,
+  // permutes, basic indexing, cat along another dim). Replicated work that only feeds
+  // sharded values (RoPE tables from full-length positions, say) then runs on the local
+  // chunk, and no per-rank tensor stays O(S) wide. Returns -1 when it does not apply.
+  int hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
+    if (val(v).requires_grad || !placement(v).is_replicate()) return -1;
+    const int pi = out_.producer(v);
+    if (pi < 0) return -1;
+    const Node p = out_.nodes[static_cast<size_t>(pi)];
+    if (p.origin < 0 || p.outputs.size() != 1) return -1;
+    const Value out = val(v);
+    const int ro = out.rank();
+    std::vector<std::optional<std::pair<int, int64_t>>> req(p.inputs.size());
+    auto aligned = [&](size_t i) -> bool {
+      const Value& in = val(p.inputs[i]);
+      const int k = dim - (ro - in.rank());
+      if (k < 0 || in.shape[static_cast<size_t>(k)].is_one()) return true;
+      if (!(in.shape[static_cast<size_t>(k)] == out.shape[static_cast<size_t>(dim)])) return false;
+      req[i] = std::make_pair(k, inner);
+      return true;
+    };
+    const OpRule* rule = find_rule(p.op);
+    const bool elementwise = rule != nullptr && p.op != "dropout" && p.op != "layer_norm" &&
+                             (p.op == "to" || p.op == "where" || p.op == "masked_fill" ||
+                              p.op == "contiguous" || p.op == "clone" || p.op == "alias" ||
+                              rule->partial != PartialBehaviour::Reduce || is_pointwise(p.op));
+    for (size_t i = 0; i < p.inputs.size(); ++i) {
+      if (p.inputs[i] < 0) continue;
+      if (!placement(p.inputs[i]).is_replicate() || val(p.inputs[i]).requires_grad) return -1;
+    }
+    if (p.op == "reshape") {
+      if (p.inputs.empty()) return -1;
+      auto q = reshape_shard(out.shape, val(p.inputs[0]).shape, Placement::shard(dim, inner));
+      if (!q) return -1;
+      req[0] = std::make_pair(q->dim, q->inner);
+    } else if (p.op == "expand") {
+      if (p.inputs.empty() || !aligned(0)) return -1;
+    } else if (p.op == "permute") {
+      const auto perm = p.ints_attr("perm");
+      if (dim >= static_cast<int>(perm.size())) return -1;
+      req[0] = std::make_pair(static_cast<int>(perm[static_cast<size_t>(dim)]), inner);
+    } else if (p.op == "index") {
+      if (p.inputs.size() != 1) return -1;
+      const auto dim_map = p.ints_attr("dim_map");
+      const auto sliced = p.ints_attr("sliced_dims");
+      int k = -1;
+      for (size_t j = 0; j < dim_map.size(); ++j)
+        if (dim_map[j] == dim) k = static_cast<int>(j);
+      if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return -1;
+      req[0] = std::make_pair(k, inner);
+    } else if (p.op == "cat") {
+      if (p.int_attr("dim", 0) == dim) return -1;
+      for (size_t i = 0; i < p.inputs.size(); ++i) req[i] = std::make_pair(dim, inner);
+    } else if (elementwise) {
+      for (size_t i = 0; i < p.inputs.size(); ++i)
+        if (p.inputs[i] >= 0 && val(p.inputs[i]).is_tensor() && !aligned(i)) return -1;
+    } else {
+      return -1;
+    }
+    Node c = p;
+    c.outputs.clear();
+    for (size_t i = 0; i < p.inputs.size(); ++i)
+      if (req[i]) c.inputs[i] = slice(p.inputs[i], req[i]->first, req[i]->second, loc);
+    c.attrs["clone"] = true;
+    if (out.shape[static_cast<size_t>(dim)].has_seq())
+      c.attrs["local_dims"] = std::vector<int64_t>{dim};
+    c.outputs.push_back(new_value(out, Placement::shard(dim, inner)));
+    const int id = c.outputs[0];
+    out_.add_node(std::move(c));
+    return id;
+  }
+
+  static bool is_pointwise(const std::string& op) {
+    static const std::set<std::string> ops = {
+        "pow", "rsqrt", "sqrt", "exp", "exp2", "log", "log1p", "silu", "gelu", "relu", "tanh",
+        "sigmoid", "cos", "sin", "abs", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
+        "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "maximum",
+        "minimum", "erf", "reciprocal", "floor_divide", "remainder", "square", "sign", "detach"};
+    return ops.count(op) != 0;
   }
 
   int reduce_partial(int v, const SourceLoc& loc) {
@@ -137,8 +265,8 @@ class PlanBuilder {
       int v = mapped(old);
       const Value& value = val(v);
       const int d = sequence_dim(value);
-      if (n.str_attr("role", "") == "data" && value.is_tensor() && is_float(value.dtype) && value.rank() >= 3 &&
-          d >= 0)
+      if (n.str_attr("role", "") == "data" && value.is_tensor() && is_float(value.dtype) &&
+          value.rank() >= 3 && d >= 0)
         vmap_[static_cast<size_t>(old)] = slice(v, d, 1, n.loc);
     }
   }
@@ -160,7 +288,8 @@ class PlanBuilder {
   // Applies a rule's operand changes and the gradient rule for replicated operands:
   // a replicated value that requires grad and feeds a sharded or partial result gets
   // only a partial gradient on each rank, so it passes through sp.grad_sync.
-  std::vector<int> apply_operands(const Node& n, std::vector<int> ins, const std::vector<OperandChange>& changes,
+  std::vector<int> apply_operands(const Node& n, std::vector<int> ins,
+                                  const std::vector<OperandChange>& changes,
                                   const std::vector<Placement>& outs) {
     const bool distributed_out =
         std::any_of(outs.begin(), outs.end(), [](const Placement& p) { return !p.is_replicate(); });
@@ -281,18 +410,22 @@ class PlanBuilder {
   void emit_mean_partial(const Node& n, std::vector<int> ins) {
     const Value& x = val(ins[0]);
     std::vector<int> dims;
-    for (int64_t d : n.ints_attr("dims")) dims.push_back(static_cast<int>(d < 0 ? d + x.rank() : d));
+    for (int64_t d : n.ints_attr("dims"))
+      dims.push_back(static_cast<int>(d < 0 ? d + x.rank() : d));
     if (dims.empty())
       for (int d = 0; d < x.rank(); ++d) dims.push_back(d);
     Dim count = Dim::constant(1);
     for (int d : dims) count = count * x.shape[static_cast<size_t>(d)];
     if (count.is_opaque())
-      throw PlanError(kPass, n, "a mean over dims of size " + count.str(), "sizes that are multiples of S");
+      throw PlanError(kPass, n, "a mean over dims of size " + count.str(),
+                      "sizes that are multiples of S");
     Node s = n;
     s.op = "sum";
-    const int idx = copy_node(s, ins, {Placement::partial()}, {{"rewrite_target", std::string("sum")}});
+    const int idx =
+        copy_node(s, ins, {Placement::partial()}, {{"rewrite_target", std::string("sum")}});
     const int sum_out = out_.nodes[static_cast<size_t>(idx)].outputs[0];
-    const int q = emit("div", {sum_out}, {{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}},
+    const int q = emit("div", {sum_out},
+                       {{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}},
                        {{val(sum_out), Placement::partial()}}, n.loc)[0];
     vmap_[static_cast<size_t>(n.outputs[0])] = q;
   }
@@ -336,8 +469,9 @@ class PlanBuilder {
     Value count_v;
     count_v.kind = ValueKind::Tensor;
     count_v.dtype = "i64";
-    const int count = emit("sp.count_valid", {args[1]}, {{"ignore_index", n.int_attr("ignore_index", -100)}},
-                           {{count_v, Placement::replicate()}}, n.loc)[0];
+    const int count =
+        emit("sp.count_valid", {args[1]}, {{"ignore_index", n.int_attr("ignore_index", -100)}},
+             {{count_v, Placement::replicate()}}, n.loc)[0];
     const int q = emit("div", {ce, count}, {}, {{val(ce), Placement::partial()}}, n.loc)[0];
     vmap_[static_cast<size_t>(n.outputs[0])] = q;
   }
@@ -355,26 +489,31 @@ class PlanBuilder {
     }
     const Value& q = val(ins[0]);
     if (q.rank() != 4)
-      throw PlanError(kPass, n, "query of rank " + std::to_string(q.rank()) + " " + shape_str(q.shape),
+      throw PlanError(kPass, n,
+                      "query of rank " + std::to_string(q.rank()) + " " + shape_str(q.shape),
                       "[batch, heads, seq, head_dim] query, key and value");
     for (int i = 0; i < 3; ++i) {
       Placement p = placement(ins[i]);
       if (!(p.is_replicate() || p == Placement::shard(2)))
         throw PlanError(kPass, n,
-                        std::string(i == 0 ? "query" : i == 1 ? "key" : "value") + " " + shape_str(val(ins[i]).shape) +
-                            " placed " + p.str(),
+                        std::string(i == 0   ? "query"
+                                    : i == 1 ? "key"
+                                             : "value") +
+                            " " + shape_str(val(ins[i]).shape) + " placed " + p.str(),
                         "the sequence in dim 2 (S(2)) or a replicated tensor");
     }
     if (!placement(ins[0]).is_shard())
-      throw PlanError(kPass, n, "a replicated query with sharded key/value", "a query sharded along the sequence");
+      throw PlanError(kPass, n, "a replicated query with sharded key/value",
+                      "a query sharded along the sequence");
     const Dim& hq = q.shape[1];
     if (!hq.is_static() || hq.coef % P != 0)
-      throw PlanError(kPass, n,
-                      std::to_string(hq.coef) + " query heads for an SP degree of " + std::to_string(P),
-                      "a number of query heads divisible by the SP degree (" + std::to_string(hq.coef) + " % " +
-                          std::to_string(P) + " = " + std::to_string(hq.coef % P) + ")",
-                      "Ulysses splits attention heads across the SP group; choose an SP degree that "
-                      "divides the number of heads.");
+      throw PlanError(
+          kPass, n,
+          std::to_string(hq.coef) + " query heads for an SP degree of " + std::to_string(P),
+          "a number of query heads divisible by the SP degree (" + std::to_string(hq.coef) + " % " +
+              std::to_string(P) + " = " + std::to_string(hq.coef % P) + ")",
+          "Ulysses splits attention heads across the SP group; choose an SP degree that "
+          "divides the number of heads.");
     const int64_t Hq = hq.coef;
     std::vector<int> args = ins;
     std::vector<int> exchange;  // positions in args that go through the all-to-all
@@ -386,21 +525,25 @@ class PlanBuilder {
       int64_t H = h.coef;
       if (i > 0 && H != Hq) {
         if (!n.bool_attr("enable_gqa", false) || Hq % H != 0)
-          throw PlanError(kPass, n, std::to_string(H) + " key/value heads for " + std::to_string(Hq) + " query heads",
-                          "equal heads, or enable_gqa=True with query heads a multiple of key/value heads");
+          throw PlanError(
+              kPass, n,
+              std::to_string(H) + " key/value heads for " + std::to_string(Hq) + " query heads",
+              "equal heads, or enable_gqa=True with query heads a multiple of key/value heads");
         if (H % P != 0) {
           // Fewer KV heads than ranks: repeat each KV head so that every rank receives the
           // KV head its query heads attend to.
           const int64_t f = P / std::gcd(H, static_cast<int64_t>(P));
           if (Hq % (H * f) != 0)
-            throw PlanError(kPass, n,
-                            std::to_string(H) + " key/value heads, " + std::to_string(Hq) + " query heads, SP degree " +
-                                std::to_string(P),
-                            "key/value heads that can be repeated to a multiple of the SP degree dividing the "
-                            "query heads");
+            throw PlanError(
+                kPass, n,
+                std::to_string(H) + " key/value heads, " + std::to_string(Hq) +
+                    " query heads, SP degree " + std::to_string(P),
+                "key/value heads that can be repeated to a multiple of the SP degree dividing the "
+                "query heads");
           Value rv = val(v);
           rv.shape[1] = Dim::constant(H * f);
-          v = emit("sp.repeat_heads", {v}, {{"dim", int64_t{1}}, {"repeats", f}}, {{rv, placement(v)}}, n.loc)[0];
+          v = emit("sp.repeat_heads", {v}, {{"dim", int64_t{1}}, {"repeats", f}},
+                   {{rv, placement(v)}}, n.loc)[0];
         }
       }
       if (placement(v).is_shard())
@@ -413,9 +556,11 @@ class PlanBuilder {
       const Value& m = val(args[3]);
       Placement pm = placement(args[3]);
       if (!pm.is_replicate())
-        throw PlanError(kPass, n, "an attention mask placed " + pm.str(), "a replicated (full-length) mask",
+        throw PlanError(kPass, n, "an attention mask placed " + pm.str(),
+                        "a replicated (full-length) mask",
                         "Build the mask from full-length positions (as single-device code does).");
-      if (m.rank() == 4 && m.shape[1].is_static() && m.shape[1].coef == Hq) args[3] = slice(args[3], 1, 1, n.loc);
+      if (m.rank() == 4 && m.shape[1].is_static() && m.shape[1].coef == Hq)
+        args[3] = slice(args[3], 1, 1, n.loc);
     }
     const Dim seq = q.shape[2];
     auto exchange_group = [&](std::vector<int> positions) {
@@ -458,8 +603,8 @@ class PlanBuilder {
 }  // namespace
 
 std::map<std::string, int> SpPlan::collective_counts() const {
-  static const std::set<std::string> collectives = {"sp.all_to_all", "sp.reduce_partial", "sp.grad_sync",
-                                                    "sp.all_gather", "sp.count_valid"};
+  static const std::set<std::string> collectives = {
+      "sp.all_to_all", "sp.reduce_partial", "sp.grad_sync", "sp.all_gather", "sp.count_valid"};
   std::map<std::string, int> counts;
   for (const Node& n : graph.nodes)
     if (collectives.count(n.op)) counts[n.op] += 1;
@@ -474,7 +619,8 @@ std::string SpPlan::str() const {
 
 SpPlan plan_ulysses(const Graph& g, const SpConfig& cfg) {
   if (cfg.sp_size < 1)
-    throw std::invalid_argument("[plan_ulysses] sp_size must be >= 1, got " + std::to_string(cfg.sp_size));
+    throw std::invalid_argument("[plan_ulysses] sp_size must be >= 1, got " +
+                                std::to_string(cfg.sp_size));
   return PlanBuilder(g, cfg).run();
 }
 

@@ -102,13 +102,18 @@ class _Replayer:
                 if ex.node.expr in self.bridge.seq_symbols or _replaced(ex) in self.bridge.seq_symbols:
                     self.seq_node = nn
         else:
-            args = _to_mutable(fx.node.map_arg(fxn.args, lambda n: self.old_to_new[n]))
-            kwargs = dict(fx.node.map_arg(fxn.kwargs, lambda n: self.old_to_new[n]))
+            # Tensor operands are substituted below by path; the rest map to their copies.
+            args = _to_mutable(fx.node.map_arg(fxn.args, lambda n: self.old_to_new.get(n, n)))
+            kwargs = dict(fx.node.map_arg(fxn.kwargs, lambda n: self.old_to_new.get(n, n)))
             kwargs = {k: _to_mutable(v) for k, v in kwargs.items()}
             for i, path in enumerate(paths):
                 if cn.inputs[i] >= 0:
                     _set_path(args, kwargs, path, self.value_node(cn.inputs[i]))
             args = _to_tuples(args, fxn.args)
+            stale = [n for n in _nodes_in((args, kwargs))
+                     if n.graph is not self.graph]
+            if stale:
+                raise AssertionError(f"plan replay: {fxn.name} still refers to {stale} of the input graph")
             kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
             attrs = cn.attrs
             target = fxn.target
@@ -125,6 +130,12 @@ class _Replayer:
             nn.meta = copy.copy(fxn.meta)
             if attrs.get("scale_by_sp", False):
                 nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
+            if attrs.get("clone", False):
+                # A local copy of a replicated computation (a hoisted slice); the original
+                # FX node keeps its own copy.
+                for vid in cn.outputs:
+                    self.env[vid] = nn
+                return
         self.old_to_new[fxn] = nn
         items = self.bridge.tuple_items.get(cn.origin)
         if items is not None:
@@ -217,6 +228,12 @@ class _Replayer:
         if coef != 1:
             d = self.graph.call_function(operator.mul, (d, coef))
         return d
+
+
+def _nodes_in(a: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(a, lambda n: found.append(n) or n)
+    return found
 
 
 def _replaced(s: torch.SymInt) -> Any:

@@ -11,6 +11,7 @@ The bridge only translates; every decision about placements is the core's.
 from __future__ import annotations
 
 import operator
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -110,14 +111,17 @@ def _target_text(node: fx.Node) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def source_loc(node: fx.Node) -> Any:
-    """The innermost user frame of the node's stack trace."""
+    """The innermost frame of the node's stack trace that is not inside torch itself."""
     loc = _core.SourceLoc()
     trace = node.meta.get("stack_trace") or ""
-    frames = _FRAME.findall(trace)
+    frames = [f for f in _FRAME.findall(trace) if not f[0].startswith(_TORCH_DIR)] or _FRAME.findall(trace)
     if frames:
         file, line, code = frames[-1]
-        loc.file = file.split("/")[-1] if "/site-packages/" not in file else file.split("site-packages/")[-1]
+        loc.file = file.split("site-packages/")[-1] if "site-packages/" in file else os.path.basename(file)
         loc.line = int(line)
         loc.code = code.strip()
     return loc
@@ -276,6 +280,10 @@ class _Converter:
             return
         op, inputs, attrs = canonicalize(node)
         inputs = [(n, p) for n, p in inputs if n is None or n in self.res.value_of]
+        used = {n for n, _ in inputs}
+        refs = [self.res.value_of[n] for n, _ in _tensor_inputs(node) if n not in used and n in self.res.value_of]
+        if refs:
+            attrs = dict(attrs, refs=refs)
         self.add_node(node, op, inputs, attrs)
 
 

@@ -52,6 +52,7 @@ void init_sp(nb::module_& m) {
         return plan_ulysses(g, cfg);
       },
       nb::arg("graph"), nb::arg("config"),
-      "Plan Ulysses sequence parallelism for one rank; raises PlanError for models it cannot make exact.");
+      "Plan Ulysses sequence parallelism for one rank; raises PlanError for models it cannot make "
+      "exact.");
   m.def("registered_ops", &registered_ops, "Canonical ops with a placement rule.");
 }
