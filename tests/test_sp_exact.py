@@ -45,6 +45,7 @@ class Variant:
     name: str
     num_heads: int
     num_kv_heads: int
+    num_layers: int = 2
 
 
 MHA = Variant("mha", num_heads=4, num_kv_heads=4)
@@ -139,7 +140,7 @@ def _sp_exact_worker(
     mesh = autosp.init_mesh(world_size)
     out: list[dict[str, Any]] = []
     for variant in variants:
-        cfg = tiny_config(variant.num_heads, variant.num_kv_heads)
+        cfg = tiny_config(variant.num_heads, variant.num_kv_heads, num_layers=variant.num_layers)
         model = build_model(cfg, MODEL_SEED)
         ref_model = copy.deepcopy(model)
         compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=backend)
@@ -164,28 +165,29 @@ def _sp_exact_worker(
 
 
 def test_sp_exact_world2_aot_eager() -> None:
-    """P=2: MHA, GQA with kv == P, GQA with kv < P; no remat."""
+    """P=2: MHA, and GQA with kv < P (one KV head, replicated before the exchange);
+    no remat."""
     world_size = 2
-    results = run_ranks(
-        world_size, _sp_exact_worker, [MHA, GQA_KV2, GQA_KV1], 16, "aot_eager", "none"
-    )
+    results = run_ranks(world_size, _sp_exact_worker, [MHA, GQA_KV1], 16, "aot_eager", "none")
     _check_results(results, world_size)
 
 
 def test_sp_exact_world4_aot_eager() -> None:
-    """P=4: MHA, GQA with kv < P (2 and 1); sequence-aware remat."""
+    """P=4: GQA with kv < P, 2 KV heads and 1 KV head (MHA runs at P=2 and with
+    Inductor); sequence-aware remat."""
     world_size = 4
     results = run_ranks(
-        world_size, _sp_exact_worker, [MHA, GQA_KV2, GQA_KV1], 32, "aot_eager", "sequence-aware"
+        world_size, _sp_exact_worker, [GQA_KV2, GQA_KV1], 32, "aot_eager", "sequence-aware"
     )
     _check_results(results, world_size)
 
 
 def test_sp_exact_world2_inductor() -> None:
-    """The one Inductor case (slow: C++ codegen on every rank): P=2, GQA kv == P,
-    default remat."""
+    """THE ONE INDUCTOR CASE (slow: C++ codegen on every rank, so one decoder layer):
+    P=2, GQA with kv == P (no KV replication), default remat."""
     world_size = 2
-    results = run_ranks(world_size, _sp_exact_worker, [GQA_KV2], 32, "inductor", "default")
+    variant = Variant("gqa-kv2-1layer", num_heads=4, num_kv_heads=2, num_layers=1)
+    results = run_ranks(world_size, _sp_exact_worker, [variant], 32, "inductor", "default")
     _check_results(results, world_size)
 
 
