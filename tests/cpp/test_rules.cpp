@@ -1,0 +1,646 @@
+// The op-rule registry: one focused test per rule family, reshape_shard's worked examples,
+// and the text of every conflict a user can hit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "analysis/placement.h"
+#include "analysis/rules.h"
+#include "graph_builder.h"
+
+namespace autosp {
+namespace {
+
+using testutil::C;
+using testutil::contains;
+using testutil::GraphBuilder;
+using testutil::S;
+
+const Placement R = Placement::replicate();
+const Placement P = Placement::partial();
+Placement Sh(int dim, int64_t inner = 1) { return Placement::shard(dim, inner); }
+const OperandChange Keep = OperandChange::keep();
+OperandChange Slice(int dim, int64_t inner = 1) { return OperandChange::slice(dim, inner); }
+
+// A RuleResult as a comparable value.
+struct Outcome {
+  std::vector<Placement> out;
+  std::vector<OperandChange> operands;
+  Attrs attr_updates = {};
+  std::string expansion = {};
+  bool operator==(const Outcome&) const = default;
+};
+
+void PrintTo(const Outcome& o, std::ostream* os) {
+  *os << "{out=[";
+  for (size_t i = 0; i < o.out.size(); ++i) *os << (i ? ", " : "") << o.out[i].str();
+  *os << "], operands=[";
+  for (size_t i = 0; i < o.operands.size(); ++i) {
+    const OperandChange& c = o.operands[i];
+    *os << (i ? ", " : "");
+    switch (c.kind) {
+      case OperandChange::Kind::Keep:
+        *os << "Keep";
+        break;
+      case OperandChange::Kind::Slice:
+        *os << "Slice(" << c.dim << ", inner=" << c.inner << ")";
+        break;
+      case OperandChange::Kind::ReducePartial:
+        *os << "ReducePartial";
+        break;
+    }
+  }
+  *os << "], attr_updates={";
+  for (const auto& [k, a] : o.attr_updates) *os << k << "=" << attr_str(a) << " ";
+  *os << "}, expansion=\"" << o.expansion << "\"}";
+}
+
+// Runs the registered rule of the node producing `out`, with the given operand placements.
+Outcome run_rule(const GraphBuilder& b, int out, std::vector<Placement> in, int64_t sp = 2) {
+  const Node& n = b.graph.nodes.at(static_cast<size_t>(b.graph.producer(out)));
+  const OpRule* rule = find_rule(n.op);
+  if (!rule) throw std::logic_error("no rule for " + n.op);
+  RuleResult r = rule->fn(RuleInput{b.graph, n, std::move(in), sp});
+  return {r.out, r.operands, r.attr_updates, r.expansion};
+}
+
+// The message of the PlanError that `fn` throws ("" and a test failure if it throws none).
+std::string plan_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const PlanError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a PlanError, got another exception: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected a PlanError, nothing was thrown";
+  return "";
+}
+
+std::string rule_error(const GraphBuilder& b, int out, std::vector<Placement> in) {
+  return plan_error([&] { run_rule(b, out, std::move(in)); });
+}
+
+// ---- placements, errors, registry ------------------------------------------------------
+
+TEST(Placement, Str) {
+  EXPECT_EQ(R.str(), "R");
+  EXPECT_EQ(P.str(), "P");
+  EXPECT_EQ(Sh(1).str(), "S(1)");
+  EXPECT_EQ(Sh(0, 4).str(), "S(0, inner=4)");
+  EXPECT_EQ(Sh(2), (Placement{.kind = PlacementKind::Shard, .dim = 2, .inner = 1}));
+  EXPECT_NE(Sh(0, 2), Sh(0));
+  EXPECT_TRUE(R.is_replicate() && Sh(0).is_shard() && P.is_partial());
+}
+
+TEST(PlanError, Format) {
+  const Node n{.op = "softmax",
+               .target = "torch.softmax",
+               .loc = {.file = "model.py", .line = 12, .code = "p = x.softmax(1)"}};
+  const PlanError e("placement", n, "x", "y", "A hint.");
+  EXPECT_STREQ(e.what(),
+               "[autosp:placement] op 'softmax' (torch.softmax) at model.py:12  p = x.softmax(1): "
+               "found x; expected y. A hint.");
+  // No target spelled differently, no hint, no source.
+  EXPECT_EQ(PlanError::format("ulysses", Node{.op = "sdpa", .target = "sdpa"}, "a", "b", ""),
+            "[autosp:ulysses] op 'sdpa' at <unknown source>: found a; expected b.");
+  // A PlanError is an std::invalid_argument (bound to Python as a ValueError).
+  EXPECT_THROW(throw PlanError("p", n, "a", "b"), std::invalid_argument);
+}
+
+TEST(Registry, FindRule) {
+  const auto ops = registered_ops();
+  EXPECT_TRUE(std::is_sorted(ops.begin(), ops.end()));
+  for (const char* op :
+       {"add", "mul", "sum", "mean", "softmax", "reshape", "permute", "index", "cat", "split",
+        "linear", "matmul", "embedding", "sym_size", "layer_norm", "arange"})
+    EXPECT_NE(find_rule(op), nullptr) << op;
+  // sdpa and cross_entropy are planned by plan_ulysses itself, not by a rule.
+  EXPECT_EQ(find_rule("sdpa"), nullptr);
+  EXPECT_EQ(find_rule("my_custom_op"), nullptr);
+
+  EXPECT_EQ(find_rule("add")->partial, PartialBehaviour::Additive);
+  EXPECT_EQ(find_rule("sub")->partial, PartialBehaviour::Additive);
+  EXPECT_EQ(find_rule("mul")->partial, PartialBehaviour::Scale);
+  EXPECT_EQ(find_rule("div")->partial, PartialBehaviour::Scale);
+  EXPECT_EQ(find_rule("neg")->partial, PartialBehaviour::Unary);
+  EXPECT_EQ(find_rule("sum")->partial, PartialBehaviour::Unary);
+  EXPECT_EQ(find_rule("reshape")->partial, PartialBehaviour::Unary);
+  EXPECT_EQ(find_rule("exp")->partial, PartialBehaviour::Reduce);
+  EXPECT_EQ(find_rule("amax")->partial, PartialBehaviour::Reduce);
+}
+
+TEST(SequenceDim, FirstDimLinearInS) {
+  EXPECT_EQ(sequence_dim(Value{.shape = {C(2), S(), C(64)}}), 1);
+  EXPECT_EQ(sequence_dim(Value{.shape = {S(2), C(64)}}), 0);
+  EXPECT_EQ(sequence_dim(Value{.shape = {C(2), S(1, 2), S()}}), 2);  // S^2 is not a sequence dim
+  EXPECT_EQ(sequence_dim(Value{.shape = {C(2), Dim::expr("s0 + 1")}}), -1);
+  EXPECT_EQ(sequence_dim(Value{.shape = {C(2), C(64)}}), -1);
+}
+
+// ---- elementwise -----------------------------------------------------------------------
+
+TEST(ElementwiseRule, BroadcastAndSliceReplicatedOperand) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int cos = b.input("cos", {C(1), S(), C(64)}, "f32", "buffer");
+  const int table = b.input("table", {S(), C(64)}, "f32", "buffer");
+  const int w = b.param("w", {C(64)});
+  const int one = b.input("one", {C(2), C(1), C(64)}, "f32", "buffer");
+  const int y1 = b.op("mul", {x, cos}, {C(2), S(), C(64)});
+  const int y2 = b.op("add", {table, x}, {C(2), S(), C(64)});
+  const int y3 = b.op("mul", {x, w}, {C(2), S(), C(64)});
+  const int y4 = b.op("add", {x, one}, {C(2), S(), C(64)});
+  const int y5 = b.op("sub", {x, x}, {C(2), S(), C(64)});
+  const int y6 = b.op("exp", {x}, {C(2), S(), C(64)});
+
+  // The replicated operand holds the whole sequence: it is sliced locally (no collective).
+  EXPECT_EQ(run_rule(b, y1, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Slice(1)}}));
+  // Aligned from the right: dim 0 of a rank-2 operand is dim 1 of the output.
+  EXPECT_EQ(run_rule(b, y2, {R, Sh(1)}), (Outcome{{Sh(1)}, {Slice(0), Keep}}));
+  // Broadcast along a dim the operand lacks, or has size 1 in: nothing to slice.
+  EXPECT_EQ(run_rule(b, y3, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, y4, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, y5, {Sh(1), Sh(1)}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, y6, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, y6, {R}), (Outcome{{R}, {Keep}}));
+}
+
+TEST(ElementwiseRule, MergedDimSlicesWithInner) {
+  GraphBuilder b;
+  const int x = b.input("x", {S(2), C(64)}, "f32", "data");
+  const int m = b.input("m", {S(2), C(64)}, "f32", "buffer");
+  const int y = b.op("mul", {x, m}, {S(2), C(64)});
+  EXPECT_EQ(run_rule(b, y, {Sh(0, 2), R}), (Outcome{{Sh(0, 2)}, {Keep, Slice(0, 2)}}));
+}
+
+TEST(ElementwiseRule, ConflictingShards) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int t = b.input("t", {S(), C(2), C(64)}, "f32", "data");
+  const int y = b.at(21, "y = x + t.transpose(0, 1)").op("add", {x, t}, {C(2), S(), C(64)});
+  const std::string msg = rule_error(b, y, {Sh(1), Sh(0)});
+  EXPECT_TRUE(contains(msg, "[autosp:placement] op 'add' at model.py:21  y = x + t.transpose"));
+  EXPECT_TRUE(contains(msg,
+                       "found input 0 f32[2, S, 64] placed S(1) and input 1 f32[S, 2, 64] "
+                       "placed S(0), sharded on different output dims (S(1) vs S(0))"));
+  EXPECT_TRUE(contains(msg, "expected operands sharded on the same sequence dim."));
+}
+
+TEST(ElementwiseRule, ReplicatedOperandOfAnotherLength) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int m = b.input("m", {C(2), S(2), C(64)}, "f32", "buffer");
+  const int y = b.at(8).op("mul", {x, m}, {C(2), S(), C(64)});
+  const std::string msg = rule_error(b, y, {Sh(1), R});
+  EXPECT_TRUE(contains(msg, "op 'mul' at model.py:8:"));
+  EXPECT_TRUE(contains(msg, "found input 1 f32[2, 2*S, 64] placed R whose dim 1 is 2*S"));
+  EXPECT_TRUE(contains(msg, "expected size S or 1 along the sharded dim."));
+}
+
+// ---- reductions ------------------------------------------------------------------------
+
+TEST(ReductionRule, OverOtherDimsKeepsTheShard) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int a = b.op("sum", {x}, {C(2), S()}, {{"dims", std::vector<int64_t>{-1}}});
+  const int c = b.op("sum", {x}, {S()}, {{"dims", std::vector<int64_t>{0, 2}}});
+  const int d =
+      b.op("amax", {x}, {C(1), S(), C(64)}, {{"dims", std::vector<int64_t>{0}}, {"keepdim", true}});
+  EXPECT_EQ(run_rule(b, a, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, c, {Sh(1)}), (Outcome{{Sh(0)}, {Keep}}));  // dim 0 removed before it
+  EXPECT_EQ(run_rule(b, d, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));  // keepdim: no shift
+  EXPECT_EQ(run_rule(b, a, {R}), (Outcome{{R}, {Keep}}));
+}
+
+TEST(ReductionRule, SumOverSequenceIsPartialMeanExpands) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int s1 = b.op("sum", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{1}}});
+  const int s_all = b.op("sum", {x}, {});
+  const int m1 = b.op("mean", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{-2}}});
+  const int m_all = b.op("mean", {x}, {});
+  EXPECT_EQ(run_rule(b, s1, {Sh(1)}), (Outcome{{P}, {Keep}}));
+  EXPECT_EQ(run_rule(b, s_all, {Sh(1)}), (Outcome{{P}, {Keep}}));
+  // A mean is a local sum over the global count: the plan expands it.
+  EXPECT_EQ(run_rule(b, m1, {Sh(1)}), (Outcome{{P}, {Keep}, {}, "mean_partial"}));
+  EXPECT_EQ(run_rule(b, m_all, {Sh(1)}), (Outcome{{P}, {Keep}, {}, "mean_partial"}));
+}
+
+TEST(ReductionRule, NonLinearReductionOverSequenceIsAnError) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int y = b.at(40, "m = x.amax(1)")
+                    .target("torch.amax")
+                    .op("amax", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{1}}});
+  const std::string msg = rule_error(b, y, {Sh(1)});
+  EXPECT_TRUE(contains(msg,
+                       "[autosp:placement] op 'amax' (torch.amax) at model.py:40  "
+                       "m = x.amax(1): "));
+  EXPECT_TRUE(contains(msg,
+                       "found input 0 f32[2, S, 64] placed S(1), reduced along the sharded "
+                       "sequence dim 1; expected a sum or mean"));
+  EXPECT_TRUE(contains(msg, "max/logsumexp/var"));
+}
+
+// ---- along one dim (softmax, cumsum, ...) ------------------------------------------------
+
+TEST(AlongDimRule, OtherDimKeepsShard) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), C(4), S(), S()}, "f32", "data");
+  const int y = b.op("softmax", {x}, {C(2), C(4), S(), S()}, {{"dim", int64_t{-1}}});
+  EXPECT_EQ(run_rule(b, y, {Sh(2)}), (Outcome{{Sh(2)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, y, {R}), (Outcome{{R}, {Keep}}));
+}
+
+TEST(AlongDimRule, ConflictErrorText) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int y = b.at(12, "c = x.cumsum(1)")
+                    .target("torch.cumsum")
+                    .op("cumsum", {x}, {C(2), S(), C(64)}, {{"dim", int64_t{1}}});
+  EXPECT_EQ(rule_error(b, y, {Sh(1)}),
+            "[autosp:placement] op 'cumsum' (torch.cumsum) at model.py:12  c = x.cumsum(1): "
+            "found input 0 f32[2, S, 64] placed S(1), and the op works along dim 1; expected an "
+            "op along a dim other than the sharded sequence dim. Each rank holds only its chunk "
+            "of the sequence, so 'cumsum' along it would be wrong; compute it before the "
+            "sequence is sharded or inside attention.");
+}
+
+// ---- reshape -----------------------------------------------------------------------------
+
+TEST(ReshapeShard, WorkedExamples) {
+  // Merging batch and sequence ([2, S, V] -> [2*S, V]): S is the inner factor.
+  EXPECT_EQ(reshape_shard({C(2), S(), C(128)}, {S(2), C(128)}, Sh(1)), Sh(0));
+  // Merging sequence and a dim to its right ([S, 2, V] -> [2*S, V]): 2 lies inside.
+  EXPECT_EQ(reshape_shard({S(), C(2), C(128)}, {S(2), C(128)}, Sh(0)), Sh(0, 2));
+  // Splitting heads off the features.
+  EXPECT_EQ(reshape_shard({C(2), S(), C(64)}, {C(2), S(), C(4), C(16)}, Sh(1)), Sh(1));
+  EXPECT_EQ(reshape_shard({C(2), S(), C(4), C(16)}, {C(2), S(), C(64)}, Sh(1)), Sh(1));
+  // Merging the features into the sequence dim, and flattening everything.
+  EXPECT_EQ(reshape_shard({C(2), S(), C(64)}, {C(2), S(64)}, Sh(1)), Sh(1, 64));
+  EXPECT_EQ(reshape_shard({C(2), S(), C(64)}, {S(128)}, Sh(1)), Sh(0, 64));
+  // Undoing a merge puts the shard back.
+  EXPECT_EQ(reshape_shard({S(2), C(128)}, {C(2), S(), C(128)}, Sh(0)), Sh(1));
+  EXPECT_EQ(reshape_shard({S(2), C(128)}, {S(), C(2), C(128)}, Sh(0, 2)), Sh(0));
+  // Adding a unit dim.
+  EXPECT_EQ(reshape_shard({C(2), S()}, {S(2), C(1)}, Sh(1)), Sh(0));
+  // Non-shard placements pass through.
+  EXPECT_EQ(reshape_shard({C(2), S()}, {S(2)}, R), R);
+  EXPECT_EQ(reshape_shard({C(2), S()}, {S(2)}, P), P);
+}
+
+TEST(ReshapeShard, SplitsThatMustFail) {
+  // [2*S] with batch outer cannot be read as [S, 2]: that interleaves the sequence.
+  EXPECT_EQ(reshape_shard({S(2), C(64)}, {S(), C(2), C(64)}, Sh(0)), std::nullopt);
+  // [S, 4] -> [4, S] is a reshape, not a transpose: the sequence factor is scrambled.
+  EXPECT_EQ(reshape_shard({S(), C(4)}, {C(4), S()}, Sh(0)), std::nullopt);
+  // Splitting S itself.
+  EXPECT_EQ(reshape_shard({C(2), S()}, {C(2), C(2), Dim::expr("s0 // 2")}, Sh(1)), std::nullopt);
+  // Opaque sizes right of the sequence.
+  EXPECT_EQ(reshape_shard({S(), Dim::expr("u")}, {S(), Dim::expr("u")}, Sh(0)), std::nullopt);
+}
+
+TEST(ReshapeRule, LocalDimsAndError) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(128)}, "f32", "data");
+  const int flat = b.op("reshape", {x}, {S(2), C(128)});
+  const int heads = b.op("reshape", {x}, {C(2), S(), C(8), C(16)});
+  const int bad = b.at(77, "y = x.view(S, 2, 128)").op("reshape", {flat}, {S(), C(2), C(128)});
+  EXPECT_EQ(run_rule(b, flat, {Sh(1)}),
+            (Outcome{{Sh(0)}, {Keep}, {{"local_dims", std::vector<int64_t>{0}}}}));
+  EXPECT_EQ(run_rule(b, heads, {Sh(1)}),
+            (Outcome{{Sh(1)}, {Keep}, {{"local_dims", std::vector<int64_t>{1}}}}));
+  EXPECT_EQ(run_rule(b, flat, {R}), (Outcome{{R}, {Keep}}));
+  const std::string msg = rule_error(b, bad, {Sh(0)});
+  EXPECT_TRUE(contains(msg, "op 'reshape' at model.py:77  y = x.view(S, 2, 128): "));
+  EXPECT_TRUE(contains(msg,
+                       "found input 0 f32[2*S, 128] placed S(0) reshaped to [S, 2, 128], "
+                       "which splits or reorders the sharded sequence factor"));
+  EXPECT_TRUE(contains(msg, "expected a reshape that keeps the sequence factor whole"));
+}
+
+TEST(ExpandRule, LeadingDimsShiftTheShard) {
+  GraphBuilder b;
+  const int pos = b.input("pos", {S(), C(1)}, "i64", "data");
+  const int y = b.op("expand", {pos}, {C(2), S(), S()});
+  EXPECT_EQ(run_rule(b, y, {Sh(0)}),
+            (Outcome{{Sh(1)}, {Keep}, {{"local_dims", std::vector<int64_t>{1}}}}));
+}
+
+// ---- permute, index ------------------------------------------------------------------------
+
+TEST(PermuteRule, FollowsTheSequenceDim) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(4), C(16)}, "f32", "data");
+  const int t =
+      b.op("permute", {x}, {C(2), C(4), S(), C(16)}, {{"perm", std::vector<int64_t>{0, 2, 1, 3}}});
+  const int u =
+      b.op("permute", {x}, {S(), C(16), C(2), C(4)}, {{"perm", std::vector<int64_t>{1, 3, 0, 2}}});
+  EXPECT_EQ(run_rule(b, t, {Sh(1)}), (Outcome{{Sh(2)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, u, {Sh(1, 4)}), (Outcome{{Sh(0, 4)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, t, {R}), (Outcome{{R}, {Keep}}));
+}
+
+TEST(IndexRule, SlicesOtherDims) {
+  GraphBuilder b;
+  const int q = b.input("q", {C(2), C(4), S(), C(16)}, "f32", "data");
+  // q[..., :8]
+  const int half = b.op(
+      "index", {q}, {C(2), C(4), S(), C(8)},
+      {{"dim_map", std::vector<int64_t>{0, 1, 2, 3}}, {"sliced_dims", std::vector<int64_t>{3}}});
+  // q[0]: dim 0 is gone, the sequence moves to dim 1.
+  const int first = b.op(
+      "index", {q}, {C(4), S(), C(16)},
+      {{"dim_map", std::vector<int64_t>{-1, 0, 1, 2}}, {"sliced_dims", std::vector<int64_t>{0}}});
+  EXPECT_EQ(run_rule(b, half, {Sh(2)}), (Outcome{{Sh(2)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, first, {Sh(2)}), (Outcome{{Sh(1)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, first, {R}), (Outcome{{R}, {Keep}}));
+}
+
+TEST(IndexRule, SlicedSequenceDimIsAnError) {
+  GraphBuilder b;
+  const int logits = b.input("logits", {C(2), S(), C(128)}, "f32", "data");
+  const int shifted = b.at(90, "logits = logits[:, :-1]")
+                          .target("getitem")
+                          .op("index", {logits}, {C(2), Dim::expr("s0 - 1"), C(128)},
+                              {{"dim_map", std::vector<int64_t>{0, 1, 2}},
+                               {"sliced_dims", std::vector<int64_t>{1}}});
+  const std::string msg = rule_error(b, shifted, {Sh(1)});
+  EXPECT_TRUE(contains(msg,
+                       "[autosp:placement] op 'index' (getitem) at model.py:90  "
+                       "logits = logits[:, :-1]: "));
+  EXPECT_TRUE(contains(msg,
+                       "found input 0 f32[2, S, 128] placed S(1), indexed or sliced along "
+                       "the sharded sequence dim 1; expected the sequence dim taken whole."));
+  EXPECT_TRUE(contains(msg, "F.pad(labels, (0, 1), value=-100)[:, 1:]"));
+}
+
+TEST(IndexRule, ShardedIndexTensorIsAnError) {
+  GraphBuilder b;
+  const int table = b.input("table", {C(128), C(64)}, "f32", "buffer");
+  const int idx = b.input("idx", {C(2), S()}, "i64", "data");
+  const int y = b.at(5).op(
+      "index", {table, idx}, {C(2), S(), C(64)},
+      {{"dim_map", std::vector<int64_t>{-1, 2}}, {"sliced_dims", std::vector<int64_t>{0}}});
+  const std::string msg = rule_error(b, y, {R, Sh(1)});
+  EXPECT_TRUE(contains(msg,
+                       "op 'index' at model.py:5: found input 1 i64[2, S] placed S(1) used "
+                       "as an index; expected replicated index tensors."));
+}
+
+// ---- cat, stack, split --------------------------------------------------------------------
+
+TEST(CatRule, SlicesReplicatedOperands) {
+  GraphBuilder b;
+  const int x1 = b.input("x1", {C(2), C(4), S(), C(8)}, "f32", "data");
+  const int x2 = b.input("x2", {C(2), C(4), S(), C(8)}, "f32", "buffer");
+  const int c = b.op("cat", {x1, x2}, {C(2), C(4), S(), C(16)}, {{"dim", int64_t{-1}}});
+  const int st = b.op("stack", {x1, x2}, {C(2), C(2), C(4), S(), C(8)}, {{"dim", int64_t{1}}});
+  EXPECT_EQ(run_rule(b, c, {Sh(2), R}), (Outcome{{Sh(2)}, {Keep, Slice(2)}}));
+  EXPECT_EQ(run_rule(b, c, {Sh(2), Sh(2)}), (Outcome{{Sh(2)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, c, {R, R}), (Outcome{{R}, {Keep, Keep}}));
+  // stack inserts a dim at 1: the sequence moves from dim 2 to dim 3.
+  EXPECT_EQ(run_rule(b, st, {R, Sh(2)}), (Outcome{{Sh(3)}, {Slice(2), Keep}}));
+}
+
+TEST(CatRule, AlongSequenceIsAnError) {
+  GraphBuilder b;
+  const int x1 = b.input("x1", {C(2), S(), C(8)}, "f32", "data");
+  const int x2 = b.input("x2", {C(2), S(), C(8)}, "f32", "data");
+  const int c = b.at(3).op("cat", {x1, x2}, {C(2), S(2), C(8)}, {{"dim", int64_t{1}}});
+  EXPECT_TRUE(contains(rule_error(b, c, {Sh(1), Sh(1)}),
+                       "op 'cat' at model.py:3: found input 0 f32[2, S, 8] placed S(1), "
+                       "concatenated along its sharded sequence dim; expected concatenation "
+                       "along another dim."));
+  const int d = b.at(4).op("cat", {x1, x2}, {C(2), S(), C(16)}, {{"dim", int64_t{2}}});
+  EXPECT_TRUE(contains(rule_error(b, d, {Sh(1), Sh(0, 2)}),
+                       "found input 0 f32[2, S, 8] placed S(1) and input 1 f32[2, S, 8] placed "
+                       "S(0, inner=2); expected operands sharded alike."));
+}
+
+TEST(SplitRule, OtherDimAndError) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(3), C(2), S(), C(8)}, "f32", "data");
+  const auto halves = b.ops("split", {x}, {{C(3), C(2), S(), C(4)}, {C(3), C(2), S(), C(4)}},
+                            {{"dim", int64_t{3}}});
+  const auto parts = b.ops("unbind", {x}, {{C(2), S(), C(8)}, {C(2), S(), C(8)}, {C(2), S(), C(8)}},
+                           {{"dim", int64_t{0}}});
+  const auto bad = b.at(9).ops(
+      "chunk", {x},
+      {{C(3), C(2), Dim::expr("s0 // 2"), C(8)}, {C(3), C(2), Dim::expr("s0 // 2"), C(8)}},
+      {{"dim", int64_t{2}}});
+  EXPECT_EQ(run_rule(b, halves[0], {Sh(2)}), (Outcome{{Sh(2), Sh(2)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, parts[0], {Sh(2)}), (Outcome{{Sh(1), Sh(1), Sh(1)}, {Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, bad[0], {Sh(2)}),
+                       "op 'chunk' at model.py:9: found input 0 f32[3, 2, S, 8] placed S(2), "
+                       "split along its sharded sequence dim; expected a split along another "
+                       "dim."));
+}
+
+TEST(PadRule, PadsOtherDimsOnly) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(8)}, "f32", "data");
+  const int ok = b.op("pad", {x}, {C(2), S(), C(10)}, {{"pad", std::vector<int64_t>{1, 1}}});
+  const int bad = b.at(6).op("pad", {x}, {C(2), Dim::expr("s0 + 1"), C(8)},
+                             {{"pad", std::vector<int64_t>{0, 0, 0, 1}}});
+  EXPECT_EQ(run_rule(b, ok, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));
+  const std::string msg = rule_error(b, bad, {Sh(1)});
+  EXPECT_TRUE(contains(msg,
+                       "found input 0 f32[2, S, 8] placed S(1), padded along its sharded "
+                       "sequence dim; expected padding along other dims only."));
+  EXPECT_TRUE(contains(msg, "pad the full-length labels"));
+}
+
+TEST(TrilRule, SequenceInTheMatrixIsAnError) {
+  GraphBuilder b;
+  const int x = b.input("x", {S(), C(4), C(4)}, "f32", "data");
+  const int m = b.input("m", {C(4), S(), S()}, "f32", "data");
+  const int ok = b.op("tril", {x}, {S(), C(4), C(4)});
+  const int bad = b.at(2).op("triu", {m}, {C(4), S(), S()});
+  EXPECT_EQ(run_rule(b, ok, {Sh(0)}), (Outcome{{Sh(0)}, {Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, bad, {Sh(1)}),
+                       "found input 0 f32[4, S, S] placed S(1), whose last two dims hold the "
+                       "sharded sequence; expected a replicated matrix."));
+}
+
+// ---- linear algebra ----------------------------------------------------------------------
+
+TEST(LinearRule, ShardedActivationReplicatedWeights) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int w = b.param("w", {C(32), C(64)});
+  const int bias = b.param("b", {C(32)});
+  const int y = b.op("linear", {x, w, bias}, {C(2), S(), C(32)});
+  // Weights stay whole; their gradient sync is the plan's business, not the rule's.
+  EXPECT_EQ(run_rule(b, y, {Sh(1), R, R}), (Outcome{{Sh(1)}, {Keep, Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, y, {R, R, R}), (Outcome{{R}, {Keep, Keep, Keep}}));
+}
+
+TEST(LinearRule, Errors) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), C(64), S()}, "f32", "data");
+  const int w = b.input("w", {C(32), S()}, "f32", "data");
+  const int y = b.at(14, "y = self.proj(x)")
+                    .target("torch.nn.functional.linear")
+                    .op("linear", {x, w}, {C(2), C(64), C(32)});
+  EXPECT_TRUE(contains(rule_error(b, y, {Sh(2), R}),
+                       "op 'linear' (torch.nn.functional.linear) at model.py:14  "
+                       "y = self.proj(x): found input 0 f32[2, 64, S] placed S(2), sharded along "
+                       "its feature (contraction) dim; expected the sequence in a leading dim."));
+  EXPECT_TRUE(contains(rule_error(b, y, {R, Sh(1)}),
+                       "found input 1 f32[32, S] placed S(1) (a weight or bias); expected "
+                       "replicated weights and bias."));
+}
+
+TEST(MatmulRule, ShardedRowsAndBatchDims) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int w = b.input("w", {C(64), C(32)}, "f32", "buffer");
+  const int y = b.op("matmul", {x, w}, {C(2), S(), C(32)});
+  EXPECT_EQ(run_rule(b, y, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+
+  // The sequence as a batch dim: the replicated side is sliced along it too.
+  const int a = b.input("a", {C(2), S(), C(4), C(16)}, "f32", "data");
+  const int c = b.input("c", {C(2), S(), C(16), C(8)}, "f32", "buffer");
+  const int z = b.op("matmul", {a, c}, {C(2), S(), C(4), C(8)});
+  EXPECT_EQ(run_rule(b, z, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Slice(1)}}));
+
+  // Columns of the right operand.
+  const int k = b.input("k", {C(2), C(16), S()}, "f32", "data");
+  const int q = b.input("q", {C(2), C(4), C(16)}, "f32", "buffer");
+  const int qk = b.op("matmul", {q, k}, {C(2), C(4), S()});
+  EXPECT_EQ(run_rule(b, qk, {R, Sh(2)}), (Outcome{{Sh(2)}, {Keep, Keep}}));
+}
+
+TEST(MatmulRule, ContractionOverSequenceIsPartial) {
+  GraphBuilder b;
+  const int xt = b.input("xt", {C(2), C(64), S()}, "f32", "data");
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int gram = b.op("matmul", {xt, x}, {C(2), C(64), C(64)});
+  EXPECT_EQ(run_rule(b, gram, {Sh(2), Sh(1)}), (Outcome{{P}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, gram, {Sh(2), R}), (Outcome{{P}, {Keep, Slice(1)}}));
+  EXPECT_EQ(run_rule(b, gram, {R, Sh(1)}), (Outcome{{P}, {Slice(2), Keep}}));
+}
+
+TEST(MatmulRule, HandWrittenAttentionError) {
+  GraphBuilder b;
+  const int q = b.input("q", {C(2), C(4), S(), C(16)}, "f32", "data");
+  const int kt = b.input("kt", {C(2), C(4), C(16), S()}, "f32", "data");
+  const int scores = b.at(52, "scores = q @ k.transpose(-2, -1)")
+                         .target("operator.matmul")
+                         .op("matmul", {q, kt}, {C(2), C(4), S(), S()});
+  EXPECT_EQ(rule_error(b, scores, {Sh(2), Sh(3)}),
+            "[autosp:placement] op 'matmul' (operator.matmul) at model.py:52  "
+            "scores = q @ k.transpose(-2, -1): found input 0 f32[2, 4, S, 16] placed S(2) and "
+            "input 1 f32[2, 4, 16, S] placed S(3): both operands are sharded along the sequence "
+            "in different output dims; expected at most one sequence-sharded operand in a matmul. "
+            "This looks like attention written by hand (q @ k.transpose(-2, -1)); use "
+            "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+}
+
+TEST(MatmulRule, VectorOperandIsAnError) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int v = b.input("v", {C(64)}, "f32", "buffer");
+  const int y = b.op("matmul", {x, v}, {C(2), S()});
+  EXPECT_TRUE(contains(rule_error(b, y, {Sh(1), R}),
+                       "found a matrix-vector product with a sharded operand; expected operands "
+                       "of rank >= 2."));
+}
+
+// One operand sharded along the contraction dim, the other along one of its own output dims:
+// the local operands disagree on the contraction length (S/P on one side, S on the other), so
+// no local matmul computes the output block or a partial sum of it. The plan must say so.
+TEST(MatmulRule, ContractionShardMeetsOutputShard) {
+  GraphBuilder b;
+  const int probs = b.input("probs", {C(2), S(), S()}, "f32", "data");  // rows sharded
+  const int v = b.input("v", {C(2), S(), C(16)}, "f32", "data");        // contraction sharded
+  const int y = b.at(60, "o = probs @ v").op("matmul", {probs, v}, {C(2), S(), C(16)});
+  const int a = b.input("a", {C(2), C(4), S()}, "f32", "data");  // contraction sharded
+  const int m = b.input("m", {C(2), S(), S()}, "f32", "data");   // columns sharded
+  const int z = b.at(61, "o = a @ m").op("matmul", {a, m}, {C(2), C(4), S()});
+  Outcome oy, oz;
+  bool threw_y = false, threw_z = false;
+  try {
+    oy = run_rule(b, y, {Sh(1), Sh(1)});
+  } catch (const PlanError&) {
+    threw_y = true;
+  }
+  try {
+    oz = run_rule(b, z, {Sh(2), Sh(2)});
+  } catch (const PlanError&) {
+    threw_z = true;
+  }
+  if (!threw_y || !threw_z)
+    GTEST_SKIP() << "BUG: rule_matmul accepts a contraction-dim shard meeting an output-dim "
+                    "shard: probs[2,S,S] S(1) @ v[2,S,16] S(1) -> "
+                 << (threw_y ? std::string("PlanError") : oy.out[0].str())
+                 << ", a[2,4,S] S(2) @ m[2,S,S] S(2) -> "
+                 << (threw_z ? std::string("PlanError") : oz.out[0].str())
+                 << "; expected a PlanError naming the op (the local matmul would fail at run "
+                    "time: contraction length S/P on one side, S on the other)";
+  EXPECT_TRUE(contains(rule_error(b, y, {Sh(1), Sh(1)}), "op 'matmul' at model.py:60"));
+  EXPECT_TRUE(contains(rule_error(b, z, {Sh(2), Sh(2)}), "op 'matmul' at model.py:61"));
+}
+
+// ---- embedding, sym_size, layer_norm -------------------------------------------------------
+
+TEST(EmbeddingRule, SeedsTheShardBySlicingIds) {
+  GraphBuilder b;
+  const int ids = b.input("ids", {C(2), S()}, "i64", "data");
+  const int table = b.param("embed.weight", {C(128), C(64)});
+  const int x = b.op("embedding", {ids, table}, {C(2), S(), C(64)}, {}, "f32");
+  EXPECT_EQ(run_rule(b, x, {R, R}), (Outcome{{Sh(1)}, {Slice(1), Keep}}));
+  EXPECT_EQ(run_rule(b, x, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+
+  // Ids without a sequence dim stay replicated.
+  const int pos = b.input("pos", {C(2), C(16)}, "i64", "data");
+  const int y = b.op("embedding", {pos, table}, {C(2), C(16), C(64)}, {}, "f32");
+  EXPECT_EQ(run_rule(b, y, {R, R}), (Outcome{{R}, {Keep, Keep}}));
+
+  const int bad = b.at(30).op("embedding", {pos, ids}, {C(2), C(16), S()}, {}, "f32");
+  EXPECT_TRUE(contains(rule_error(b, bad, {R, Sh(1)}),
+                       "op 'embedding' at model.py:30: found input 1 i64[2, S] placed S(1) (the "
+                       "embedding table); expected a replicated table."));
+}
+
+TEST(SymSizeRule, ScalesTheShardedSize) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int n = b.symbol("sym_size", {x}, {{"dim", int64_t{1}}});
+  const int m = b.symbol("sym_size", {x}, {{"dim", int64_t{-1}}});
+  EXPECT_EQ(run_rule(b, n, {Sh(1)}), (Outcome{{R}, {Keep}, {{"scale_by_sp", true}}}));
+  EXPECT_EQ(run_rule(b, m, {Sh(1)}), (Outcome{{R}, {Keep}}));
+  EXPECT_EQ(run_rule(b, n, {R}), (Outcome{{R}, {Keep}}));
+}
+
+TEST(LayerNormRule, NormalisesOutsideTheSequence) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int w = b.param("ln.weight", {C(64)});
+  const int bias = b.param("ln.bias", {C(64)});
+  const int y = b.op("layer_norm", {x, w, bias}, {C(2), S(), C(64)}, {{"norm_dims", int64_t{1}}});
+  const int z = b.at(70, "z = F.layer_norm(x, x.shape[1:])")
+                    .op("layer_norm", {x}, {C(2), S(), C(64)}, {{"norm_dims", int64_t{2}}});
+  EXPECT_EQ(run_rule(b, y, {Sh(1), R, R}), (Outcome{{Sh(1)}, {Keep, Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, y, {R, R, R}), (Outcome{{R}, {Keep, Keep, Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, z, {Sh(1)}),
+                       "op 'layer_norm' at model.py:70  z = F.layer_norm(x, x.shape[1:]): found "
+                       "input 0 f32[2, S, 64] placed S(1), normalised over dims >= 1; expected "
+                       "normalisation over dims that do not hold the sharded sequence."));
+}
+
+TEST(FactoryRule, AlwaysReplicated) {
+  GraphBuilder b;
+  const int pos = b.op("arange", {}, {S()}, {}, "i64");
+  EXPECT_EQ(run_rule(b, pos, {}), (Outcome{{R}, {}}));
+}
+
+}  // namespace
+}  // namespace autosp
