@@ -77,7 +77,9 @@ def _rank0_sleeps(rank: int, world_size: int) -> None:
 
 
 def test_timeout_kills_ranks() -> None:
+    # Rank 1 normally reports in time; on a loaded machine its start-up alone may
+    # take longer than the timeout, so it may be listed as well.
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish within 8s"):
-        run_ranks(2, _rank0_sleeps, timeout=8)
-    assert time.monotonic() - start < 30
+    with pytest.raises(TimeoutError, match=r"ranks \[0(, 1)?\] of 2 did not finish within 15s"):
+        run_ranks(2, _rank0_sleeps, timeout=15)
+    assert time.monotonic() - start < 45, "ranks were not killed promptly after the timeout"
