@@ -313,6 +313,12 @@ RuleResult rule_matmul(const RuleInput& r) {
       res.out = {Placement::partial()};
       return res;
     }
+    conflict(r,
+             describe_input(r, 0) + " and " + describe_input(r, 1) +
+                 ": one operand is sharded along the contraction dim, the other elsewhere",
+             "both operands sharded along the contraction dim, or one of them replicated",
+             "This looks like attention written by hand (probs @ v); use "
+             "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
   }
   std::optional<Placement> outp;
   auto set = [&](Placement p) {

@@ -219,7 +219,9 @@ class PlanBuilder {
       if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return -1;
       req[0] = std::make_pair(k, inner);
     } else if (p.op == "cat") {
-      if (p.int_attr("dim", 0) == dim) return -1;
+      int64_t cat_dim = p.int_attr("dim", 0);
+      if (cat_dim < 0) cat_dim += ro;
+      if (cat_dim == dim) return -1;
       for (size_t i = 0; i < p.inputs.size(); ++i) req[i] = std::make_pair(dim, inner);
     } else if (elementwise) {
       for (size_t i = 0; i < p.inputs.size(); ++i)
@@ -242,10 +244,12 @@ class PlanBuilder {
 
   static bool is_pointwise(const std::string& op) {
     static const std::set<std::string> ops = {
-        "pow", "rsqrt", "sqrt", "exp", "exp2", "log", "log1p", "silu", "gelu", "relu", "tanh",
-        "sigmoid", "cos", "sin", "abs", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
-        "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "maximum",
-        "minimum", "erf", "reciprocal", "floor_divide", "remainder", "square", "sign", "detach"};
+        "pow",         "rsqrt",        "sqrt",       "exp",     "exp2",        "log",
+        "log1p",       "silu",         "gelu",       "relu",    "tanh",        "sigmoid",
+        "cos",         "sin",          "abs",        "clamp",   "eq",          "ne",
+        "lt",          "le",           "gt",         "ge",      "logical_and", "logical_or",
+        "logical_not", "bitwise_and",  "bitwise_or", "maximum", "minimum",     "erf",
+        "reciprocal",  "floor_divide", "remainder",  "square",  "sign",        "detach"};
     return ops.count(op) != 0;
   }
 

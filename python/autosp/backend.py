@@ -35,7 +35,8 @@ class CompileRecord:
 
     stages: list[Stage] = field(default_factory=list)
     collective_counts: dict[str, int] = field(default_factory=dict)
-    graph_module: fx.GraphModule | None = None
+    graph_module: fx.GraphModule | None = None  # what this rank runs, before AOTAutograd
+    example_inputs: list[Any] = field(default_factory=list)  # graph_module's inputs at compile time
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -109,5 +110,6 @@ class SequenceParallelBackend:
         rec.collective_counts = dict(plan.collective_counts())
         new_gm = apply_plan(gm, bridge, plan, self.ctx)
         rec.graph_module = new_gm
+        rec.example_inputs = list(example_inputs)
         rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False), time.perf_counter() - t2))
         return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend)

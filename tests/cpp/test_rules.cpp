@@ -577,14 +577,14 @@ TEST(MatmulRule, ContractionShardMeetsOutputShard) {
   } catch (const PlanError&) {
     threw_z = true;
   }
-  if (!threw_y || !threw_z)
-    GTEST_SKIP() << "BUG: rule_matmul accepts a contraction-dim shard meeting an output-dim "
-                    "shard: probs[2,S,S] S(1) @ v[2,S,16] S(1) -> "
-                 << (threw_y ? std::string("PlanError") : oy.out[0].str())
-                 << ", a[2,4,S] S(2) @ m[2,S,S] S(2) -> "
-                 << (threw_z ? std::string("PlanError") : oz.out[0].str())
-                 << "; expected a PlanError naming the op (the local matmul would fail at run "
-                    "time: contraction length S/P on one side, S on the other)";
+  EXPECT_TRUE(threw_y && threw_z)
+      << "rule_matmul accepts a contraction-dim shard meeting an output-dim "
+         "shard: probs[2,S,S] S(1) @ v[2,S,16] S(1) -> "
+      << (threw_y ? std::string("PlanError") : oy.out[0].str())
+      << ", a[2,4,S] S(2) @ m[2,S,S] S(2) -> "
+      << (threw_z ? std::string("PlanError") : oz.out[0].str())
+      << "; expected a PlanError naming the op (the local matmul would fail at run "
+         "time: contraction length S/P on one side, S on the other)";
   EXPECT_TRUE(contains(rule_error(b, y, {Sh(1), Sh(1)}), "op 'matmul' at model.py:60"));
   EXPECT_TRUE(contains(rule_error(b, z, {Sh(2), Sh(2)}), "op 'matmul' at model.py:61"));
 }

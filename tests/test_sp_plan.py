@@ -1,0 +1,204 @@
+"""What the compiled graph holds: the collectives the plan promises, no full-length
+activations per rank, and clear errors (pass, op, source line, found/expected) for
+models autosp cannot make exact. Real Gloo groups at world 2."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distributed import build_model, make_batch, run_ranks, tiny_config
+
+SEQ = 24  # distinct from every model width below, so a dim == SEQ is the sequence
+BATCH = 3  # so that BATCH * SEQ / P (a merged local dim) is not SEQ either
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.seen.append((str(func), tuple(t.shape), t.dtype))
+        return out
+
+
+def _collectives_worker(rank: int, world: int, layers: int) -> dict[str, Any]:
+    import autosp
+    from autosp import collectives
+
+    cfg = tiny_config(num_heads=4, num_kv_heads=2, num_layers=layers)
+    model = build_model(cfg)
+    ids, labels = make_batch(cfg.vocab_size, BATCH, SEQ)
+    cm = autosp.compile(model, mesh=autosp.init_mesh(world), backend="aot_eager", remat="none")
+    loss = cm(ids, labels)
+    loss.backward()
+    rec = cm.last_compile
+    # Run this rank's planned graph eagerly and record every tensor it makes.
+    recorder = _ShapeRecorder()
+    with recorder, torch.no_grad():
+        (planned_loss,) = rec.graph_module(*rec.example_inputs)
+    assert torch.allclose(planned_loss, loss.detach())
+    fx_counts: dict[str, int] = {}
+    names = {collectives.all_to_all: "sp.all_to_all", collectives.grad_sync: "sp.grad_sync",
+             collectives.reduce_partial: "sp.reduce_partial", collectives.count_valid: "sp.count_valid",
+             collectives.all_gather_seq: "sp.all_gather"}
+    for node in rec.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in names:
+            fx_counts[names[node.target]] = fx_counts.get(names[node.target], 0) + 1
+    n_params = sum(1 for _ in model.parameters())
+    return {"plan": rec.collective_counts, "fx": fx_counts, "n_params": n_params,
+            "shapes": recorder.seen, "heads": (cfg.num_heads, cfg.num_kv_heads)}
+
+
+def test_collectives_and_local_activations() -> None:
+    layers, world = 2, 2
+    results = run_ranks(world, _collectives_worker, layers)
+    for r in results:
+        # One fused q/k/v exchange into each attention and one back out of it.
+        expected = {
+            "sp.all_to_all": 2 * layers,
+            "sp.grad_sync": r["n_params"],  # every parameter meets the sharded sequence
+            "sp.reduce_partial": 1,  # the loss
+            "sp.count_valid": 1,  # the global number of valid labels
+        }
+        assert r["plan"] == expected
+        assert r["fx"] == expected
+        # Per rank, no floating-point tensor is full-length in S, except attention's own
+        # inputs/outputs after the exchange, which hold H/P heads over the whole sequence.
+        local_heads = {h // world for h in r["heads"]}
+        offenders = []
+        for op, shape, dtype in r["shapes"]:
+            if not dtype.is_floating_point:
+                continue
+            full = [d for d, n in enumerate(shape) if n in (SEQ, BATCH * SEQ)]
+            if not full:
+                continue
+            is_attention = len(shape) in (3, 4) and shape[1] in local_heads and shape[2] == SEQ
+            if not is_attention:
+                offenders.append((op, shape))
+        assert not offenders, f"full-length activations on a rank: {offenders[:5]}"
+        # And the local chunk is what the activations hold.
+        assert any(len(s) == 3 and s[1] == SEQ // world and s[2] == 64 for _, s, _ in r["shapes"])
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class HandWrittenAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1)  # ATTN_LINE
+        return (scores.softmax(-1) @ v).sum()
+
+
+class CumsumOverSequence(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids).cumsum(dim=1).sum()  # CUMSUM_LINE
+
+
+class ShiftedLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(ids))
+        shift = logits[:, :-1, :]  # SHIFT_LINE
+        return F.cross_entropy(shift.reshape(-1, 32), labels[:, 1:].reshape(-1))
+
+
+class GraphBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        torch._dynamo.graph_break()
+        return x.sum()
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, start=1):
+            if marker in line and "def " not in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def _errors_worker(rank: int, world: int) -> dict[str, str]:
+    import autosp
+
+    mesh = autosp.init_mesh(world)
+    ids = torch.randint(0, 32, (2, 8))
+    out: dict[str, str] = {}
+    cases = {
+        "attention": (HandWrittenAttention(), (ids,)),
+        "cumsum": (CumsumOverSequence(), (ids,)),
+        "shift": (ShiftedLogits(), (ids, ids.clone())),
+        "graph_break": (GraphBreak(), (ids,)),
+    }
+    for name, (model, args) in cases.items():
+        try:
+            autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")(*args)
+            out[name] = "no error"
+        except autosp.AutospError as e:
+            out[name] = f"AutospError: {e}"
+        except Exception as e:  # noqa: BLE001 - the test reports what was raised instead
+            out[name] = f"{type(e).__name__}: {e}"
+    try:
+        autosp.init_mesh(world + 1)
+        out["mesh"] = "no error"
+    except autosp.AutospError as e:
+        out["mesh"] = f"AutospError: {e}"
+    return out
+
+
+def test_errors_name_pass_op_line_and_numbers() -> None:
+    world = 2
+    out = run_ranks(world, _errors_worker)[0]
+    here = "test_sp_plan.py"
+
+    msg = out["attention"]
+    assert msg.startswith("AutospError: [autosp:placement] op 'matmul'"), msg
+    assert f"{here}:{_line_of('# ATTN_LINE')}" in msg, msg
+    assert "scaled_dot_product_attention" in msg and "found" in msg and "expected" in msg, msg
+
+    msg = out["cumsum"]
+    assert msg.startswith("AutospError: [autosp:placement] op 'cumsum'"), msg
+    assert f"{here}:{_line_of('# CUMSUM_LINE')}" in msg, msg
+    assert "dim 1" in msg, msg
+
+    msg = out["shift"]
+    assert msg.startswith("AutospError: [autosp:placement] op 'index'"), msg
+    assert f"{here}:{_line_of('# SHIFT_LINE')}" in msg, msg
+    assert "shift the labels" in msg, msg
+
+    msg = out["graph_break"]
+    assert msg.startswith("AutospError: [autosp:capture]"), msg
+    assert "graph break" in msg, msg
+
+    msg = out["mesh"]
+    assert msg.startswith("AutospError: [autosp:init_mesh]"), msg
+    assert f"world size {world} not divisible by sp_size {world + 1}" in msg, msg
