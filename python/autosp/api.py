@@ -74,12 +74,27 @@ class SequenceParallelModule(nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
     full-length and identical on every rank of the SP group."""
 
-    def __init__(self, model: nn.Module, sp_backend: SequenceParallelBackend, seq_dim: int) -> None:
+    def __init__(self, model: nn.Module, sp_backend: SequenceParallelBackend, seq_dim: int,
+                 dp_group: Any = None) -> None:
         super().__init__()
         self.module = model
         self.sp_backend = sp_backend
         self.seq_dim = seq_dim
         self._compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
+        self._dp_hooks = []
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            # Data parallelism across SP groups: average each gradient over "dp" once it is
+            # complete (the SP reduction already happened inside the compiled graph).
+            dp_size = dist.get_world_size(dp_group)
+
+            def average(p: torch.Tensor) -> None:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad.div_(dp_size)
+
+            for p in model.parameters():
+                if p.requires_grad:
+                    self._dp_hooks.append(p.register_post_accumulate_grad_hook(average))
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         tensors = [t for t in list(args) + list(kwargs.values())
@@ -126,12 +141,14 @@ class SequenceParallelModule(nn.Module):
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
-            backend: str = "inductor") -> SequenceParallelModule:
+            backend: str = "inductor", average_dp: bool = True) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
     returned loss equals the single-device loss and, after ``backward()``, every
-    parameter's ``.grad`` equals the single-device gradient.
+    parameter's ``.grad`` equals the single-device gradient of its SP group's batch,
+    averaged over the mesh's "dp" axis when it has more than one group (set
+    ``average_dp=False`` when FSDP/DDP already averages over "dp").
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
@@ -139,4 +156,5 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
         raise AutospError(f"[autosp:compile] found remat={remat!r}; expected one of {REMAT_POLICIES} "
                           "or an autosp.remat.MemoryBudget.")
     sp_backend = _make_backend(mesh, seq_dim, remat, backend)
-    return SequenceParallelModule(model, sp_backend, seq_dim)
+    dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
+    return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None)
