@@ -677,22 +677,50 @@ def _cache_key(policy: RematPolicy, recompute_flops_ratio: float) -> str:
     return h.hexdigest()
 
 
-def _inductor_partitioner(
-    partition_fn: Callable, uuid: str | None
-) -> Any:
+def _custom_partitioner_base() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class AutospRematPartitioner(CustomPartitionerFn):
-        def __call__(
-            self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
-        ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            kwargs.pop("compiler", None)
-            return partition_fn(gm, joint_inputs, **kwargs)
+    return CustomPartitionerFn
 
-        def uuid(self) -> Any:
-            return uuid
 
-    return AutospRematPartitioner()
+class AutospRematPartitioner(_custom_partitioner_base()):  # type: ignore[misc]
+    """autosp's partition function in Inductor's ``custom_partitioner_fn`` hook. Inductor
+    pickles its config into cache keys, so this pickles as (policy, ratio) -- a report is a
+    per-run side channel, not part of the identity."""
+
+    def __init__(
+        self,
+        policy: RematPolicy,
+        recompute_flops_ratio: float,
+        report: RematReport | None = None,
+        partition_fn: Callable | None = None,
+    ) -> None:
+        self.policy = policy
+        self.recompute_flops_ratio = recompute_flops_ratio
+        self.report = report
+        self.partition_fn = partition_fn or make_partition_fn(
+            policy, recompute_flops_ratio=recompute_flops_ratio, report=report
+        )
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        kwargs.pop("compiler", None)
+        return self.partition_fn(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any:
+        return _cache_key(self.policy, self.recompute_flops_ratio)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (AutospRematPartitioner, (self.policy, self.recompute_flops_ratio))
+
+    # Config snapshots copy their values; a copy must keep the same partition function and
+    # report, not be rebuilt from __reduce__.
+    def __copy__(self) -> "AutospRematPartitioner":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "AutospRematPartitioner":
+        return self
 
 
 def compile_joint(
@@ -709,7 +737,7 @@ def compile_joint(
     ``custom_partitioner_fn`` hook, so Inductor's joint-graph passes still run first) or eager
     execution of the forward and backward graphs (``backend="aot_eager"``).
 
-    With a ``report`` Inductor's cache is bypassed so that the partitioner runs and reports.
+    With a ``report``, Inductor's caches are bypassed so that the partitioner runs and reports.
     """
     if backend not in BACKENDS:
         raise AutospError(
@@ -734,8 +762,22 @@ def compile_joint(
 
     # Inductor's supported hook (torch >= 2.9): compile_fx runs its joint-graph passes, then
     # calls this partitioner instead of min_cut_rematerialization_partition.
-    uuid = None if report is not None else _cache_key(policy, recompute_flops_ratio)
-    with inductor_config.patch(custom_partitioner_fn=_inductor_partitioner(partition_fn, uuid)):
+    partitioner = AutospRematPartitioner(
+        policy, recompute_flops_ratio, report=report, partition_fn=partition_fn
+    )
+    if report is None:
+        with inductor_config.patch(custom_partitioner_fn=partitioner):
+            return compile_fx(gm, example_inputs)
+    # A report is filled only when the partitioner runs: bypass the graph-level caches (compiled
+    # kernels stay cached).
+    from torch._functorch import config as functorch_config
+
+    with (
+        inductor_config.patch(
+            custom_partitioner_fn=partitioner, fx_graph_cache=False, fx_graph_remote_cache=False
+        ),
+        functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
+    ):
         return compile_fx(gm, example_inputs)
 
 
