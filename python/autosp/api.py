@@ -70,6 +70,19 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
     return _make_backend(mesh, seq_dim, remat, backend)
 
 
+def _logging_functions() -> set:
+    """Every method of logging.Logger, including ones libraries add to it (e.g.
+    ``warning_once``): logging does not change what the model computes, so capture
+    drops it, as torch.export does, instead of breaking the graph on it."""
+    import logging
+
+    found = set(getattr(torch._dynamo.config, "ignore_logging_functions", ()))
+    for name, fn in vars(logging.Logger).items():
+        if not name.startswith("_") and callable(fn):
+            found.add(getattr(logging.Logger, name))
+    return found
+
+
 class SequenceParallelModule(nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
     full-length and identical on every rank of the SP group."""
@@ -121,7 +134,10 @@ class SequenceParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._prepare(args, kwargs)
         try:
-            return self._compiled(*args, **kwargs)
+            if not hasattr(torch._dynamo.config, "ignore_logging_functions"):
+                return self._compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+                return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, AutospError):

@@ -155,6 +155,10 @@ class _Replayer:
         if name not in _SIZE_ARG_METHODS:
             return args, kwargs  # sizes come from the (local) input itself
         args = list(args)
+        if len(args) == 2 and isinstance(args[1], fx.Node) and args[1].target is torch.Size:
+            # x.view(size) with size = torch.Size([...]) built in the graph (x.size()[:-1] +
+            # (n,)): localise the sizes it is built from.
+            args[1] = tuple(args[1].args[0])
         flat = not (len(args) == 2 and isinstance(args[1], (tuple, list)))
         sizes = list(args[1:]) if flat else list(args[1])
         if not sizes and "size" in kwargs:

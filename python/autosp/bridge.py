@@ -388,7 +388,17 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         return "index", _tensor_inputs(node, only=[0]), {"dim_map": dim_map, "sliced_dims": [d]}
     if name in ("cat", "stack"):
         rank = ex.dim() if isinstance(ex, torch.Tensor) else 0
-        return name, _tensor_inputs(node, only=[0], kw=["tensors"]), {"dim": _norm(_int(_arg(node, 1, "dim", 0)), rank)}
+        dim = _norm(_int(_arg(node, 1, "dim", 0)), rank)
+        operands = _tensor_inputs(node, only=[0], kw=["tensors"])
+        if name == "cat":
+            # Operands that contribute nothing (torch.cat skips legacy 1-D empty tensors, and
+            # one of size 0 along the cat dim adds no element) are not data inputs; they stay
+            # alive as refs. A cat of one remaining operand is that operand: an alias (e.g. a
+            # KV cache that starts from torch.tensor([]) and concatenates the new keys).
+            operands = [(n, p) for n, p in operands if not _adds_nothing(_example(n), dim)]
+            if len(operands) == 1:
+                return "alias", operands, {}
+        return name, operands, {"dim": dim}
     if name in ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"):
         default = 0
         d = _arg(node, 1 if name == "unbind" else 2, "dim", default)
@@ -401,6 +411,16 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name == "linear":
         first = (node.args[0], ("args", 0)) if node.args else (node.kwargs["input"], ("kwargs", "input"))
         return "linear", [first] + _tensor_inputs(node, only=[1, 2], kw=["weight", "bias"]), {}
+    if name == "addmm":
+        # addmm(bias, x, w) = beta * bias + alpha * (x @ w): with a bias that broadcasts over
+        # the rows (1-D), a linear layer with the weight transposed (GPT-2's Conv1D). The
+        # placement rule sees the operands in linear's order: x, weight, bias.
+        bias = (_arg(node, 0, "input"), ("args", 0) if node.args else ("kwargs", "input"))
+        mat1 = (_arg(node, 1, "mat1"), ("args", 1) if len(node.args) > 1 else ("kwargs", "mat1"))
+        mat2 = (_arg(node, 2, "mat2"), ("args", 2) if len(node.args) > 2 else ("kwargs", "mat2"))
+        if _rank(bias[0]) <= 1 and all(_is_tensor_node(a) for a, _ in (bias, mat1, mat2)):
+            return "linear", [mat1, mat2, bias], {}
+        return "addmm", _tensor_inputs(node), {}
     if name == "matmul":
         return "matmul", _tensor_inputs(node), {}
     if name == "embedding":
@@ -438,6 +458,16 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name in _ELEMENTWISE:
         return name, _tensor_inputs(node), {}
     return name, _tensor_inputs(node), {}
+
+
+def _adds_nothing(t: Any, dim: int) -> bool:
+    """Whether a cat operand contributes no element: a legacy 1-D empty tensor (which
+    torch.cat skips whatever the dim), or one whose size along the cat dim is 0."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.dim() == 1 and t.shape[0] == 0:
+        return True
+    return t.dim() > dim and isinstance(t.shape[dim], int) and t.shape[dim] == 0
 
 
 def _perm(node: fx.Node, name: str, rank: int) -> list[int]:
