@@ -25,11 +25,14 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:  # imported lazily: the harness must work even if autosp does not import
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
 
 DEFAULT_TIMEOUT_S = 180.0
 
@@ -357,7 +360,7 @@ def tiny_config(
     num_layers: int = 2,
     vocab_size: int = 128,
     intermediate_size: int = 172,
-) -> Any:
+) -> LlamaConfig:
     """A LlamaConfig small enough for multi-rank CPU tests."""
     from autosp.models.llama import LlamaConfig
 
@@ -371,7 +374,7 @@ def tiny_config(
     )
 
 
-def build_model(cfg: Any, seed: int = 0) -> torch.nn.Module:
+def build_model(cfg: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     """The reference Llama with weights drawn from ``seed``: identical on every rank."""
     from autosp.models.llama import LlamaForCausalLM
 

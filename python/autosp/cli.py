@@ -303,7 +303,8 @@ def _train_loop(
         mean_loss /= world_size
         elapsed = time.perf_counter() - start
         if rank == 0:
-            print(f"step {step:4d}  loss {mean_loss.item():.6f}  time {elapsed * 1e3:.1f} ms",
+            note = "  (includes compilation)" if step == 0 else ""
+            print(f"step {step:4d}  loss {mean_loss.item():.6f}  time {elapsed * 1e3:.1f} ms{note}",
                   flush=True)
         if not math.isfinite(mean_loss.item()):
             if rank == 0:
