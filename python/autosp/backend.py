@@ -7,6 +7,7 @@ graph each rank runs.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -90,6 +91,19 @@ class SequenceParallelBackend:
             raise RuntimeError("nothing has been compiled yet: call the compiled module first")
         return self.records[-1]
 
+    def _dump(self, rec: CompileRecord) -> None:
+        """With AUTOSP_DUMP_DIR set, write every stage to
+        ``$AUTOSP_DUMP_DIR/rank<r>-<n>-<stage>.txt``."""
+        out = os.environ.get("AUTOSP_DUMP_DIR")
+        if not out:
+            return
+        os.makedirs(out, exist_ok=True)
+        n = len(self.records) - 1
+        for st in rec.stages:
+            path = os.path.join(out, f"rank{self.ctx.rank}-{n}-{st.name}.txt")
+            with open(path, "w") as f:
+                f.write(st.text)
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         rec = CompileRecord()
         self.records.append(rec)
@@ -111,5 +125,6 @@ class SequenceParallelBackend:
         new_gm = apply_plan(gm, bridge, plan, self.ctx)
         rec.graph_module = new_gm
         rec.example_inputs = list(example_inputs)
+        self._dump(rec)
         rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False), time.perf_counter() - t2))
         return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend)
