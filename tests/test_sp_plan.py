@@ -49,14 +49,16 @@ def _collectives_worker(rank: int, world: int, layers: int) -> dict[str, Any]:
         (planned_loss,) = rec.graph_module(*rec.example_inputs)
     assert torch.allclose(planned_loss, loss.detach())
     fx_counts: dict[str, int] = {}
-    names = {collectives.all_to_all: "sp.all_to_all", collectives.grad_sync: "sp.grad_sync",
+    names = {collectives.all_to_all: "sp.all_to_all", collectives.grad_sync_many: "sp.grad_sync",
              collectives.reduce_partial: "sp.reduce_partial", collectives.count_valid: "sp.count_valid",
              collectives.all_gather_seq: "sp.all_gather"}
     for node in rec.graph_module.graph.nodes:
         if node.op == "call_function" and node.target in names:
             fx_counts[names[node.target]] = fx_counts.get(names[node.target], 0) + 1
     n_params = sum(1 for _ in model.parameters())
-    return {"plan": rec.collective_counts, "fx": fx_counts, "n_params": n_params,
+    synced = [n for n in rec.graph_module.graph.nodes if n.target is collectives.grad_sync_many]
+    n_synced = len(synced[0].args[0]) if synced else 0
+    return {"plan": rec.collective_counts, "fx": fx_counts, "n_params": n_params, "n_synced": n_synced,
             "shapes": recorder.seen, "heads": (cfg.num_heads, cfg.num_kv_heads)}
 
 
@@ -67,12 +69,13 @@ def test_collectives_and_local_activations() -> None:
         # One fused q/k/v exchange into each attention and one back out of it.
         expected = {
             "sp.all_to_all": 2 * layers,
-            "sp.grad_sync": r["n_params"],  # every parameter meets the sharded sequence
+            "sp.grad_sync": 1,  # every parameter meets the sharded sequence: one bucket
             "sp.reduce_partial": 1,  # the loss
             "sp.count_valid": 1,  # the global number of valid labels
         }
         assert r["plan"] == expected
         assert r["fx"] == expected
+        assert r["n_synced"] == r["n_params"]
         # Per rank, no floating-point tensor is full-length in S, except attention's own
         # inputs/outputs after the exchange, which hold H/P heads over the whole sequence.
         local_heads = {h // world for h in r["heads"]}

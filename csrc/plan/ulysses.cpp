@@ -38,7 +38,42 @@ class PlanBuilder {
         emit_generic(n);
     }
     eliminate_dead_nodes();
+    if (cfg_.bucket_grad_sync) bucket_grad_syncs();
     return SpPlan{std::move(out_), std::move(place_)};
+  }
+
+  // Merges the grad syncs of graph inputs (parameters) into one node placed right after
+  // the inputs, so their gradients are summed over the group in one all-reduce.
+  void bucket_grad_syncs() {
+    std::vector<int> input_valued(out_.values.size(), 0);
+    size_t last_input = 0;
+    for (size_t i = 0; i < out_.nodes.size(); ++i) {
+      if (out_.nodes[i].op != "input") continue;
+      last_input = i;
+      for (int o : out_.nodes[i].outputs) input_valued[static_cast<size_t>(o)] = 1;
+    }
+    Node merged;
+    merged.op = "sp.grad_sync";
+    merged.target = "sp.grad_sync";
+    std::vector<Node> kept;
+    for (Node& n : out_.nodes) {
+      if (n.op == "sp.grad_sync" && n.inputs.size() == 1 &&
+          input_valued[static_cast<size_t>(n.inputs[0])]) {
+        merged.inputs.push_back(n.inputs[0]);
+        merged.outputs.push_back(n.outputs[0]);
+        continue;
+      }
+      kept.push_back(std::move(n));
+    }
+    if (!merged.inputs.empty()) {
+      // Every input node precedes the first non-input node it could be merged before.
+      size_t pos = 0;
+      for (size_t i = 0; i < kept.size() && i <= last_input; ++i)
+        if (kept[i].op == "input") pos = i + 1;
+      kept.insert(kept.begin() + static_cast<std::ptrdiff_t>(pos), std::move(merged));
+    }
+    for (size_t i = 0; i < kept.size(); ++i) kept[i].id = static_cast<int>(i);
+    out_.nodes = std::move(kept);
   }
 
   // Drops nodes whose results nothing uses (full-length originals whose slices were

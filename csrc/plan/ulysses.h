@@ -6,7 +6,8 @@
 //
 //   sp.slice(x) {dim, inner, outer}      keep this rank's 1/P chunk of the sequence factor
 //                                        of `dim` (or of a static dim such as heads)
-//   sp.grad_sync(x)                      identity forward; all-reduce(sum) of the gradient
+//   sp.grad_sync(x...)                   identity forward; all-reduce(sum) of the gradient
+//                                        (several operands: one bucketed all-reduce)
 //   sp.reduce_partial(x)                 all-reduce(sum) forward; identity backward
 //   sp.all_gather(x) {dim, inner}        gather the sequence (backward: keep the local chunk)
 //   sp.all_to_all(x...) {scatter_dim, gather_dim, gather_coef, gather_power}
@@ -38,6 +39,9 @@ namespace autosp {
 struct SpConfig {
   int64_t sp_size = 1;
   bool fuse_qkv = true;  // one all-to-all for q, k and v
+  // One sp.grad_sync for all graph inputs (parameters): a single bucketed all-reduce of
+  // their gradients instead of one per parameter.
+  bool bucket_grad_sync = true;
 };
 
 struct SpPlan {

@@ -192,6 +192,11 @@ class _Replayer:
         if op == "sp.slice":
             node = g.call_function(collectives.local_chunk,
                                    (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank, ctx.world))
+        elif op == "sp.grad_sync" and len(ins) > 1:
+            tup = g.call_function(collectives.grad_sync_many, (tuple(ins), ctx.group))
+            for i, vid in enumerate(cn.outputs):
+                self.env[vid] = g.call_function(operator.getitem, (tup, i))
+            return
         elif op == "sp.grad_sync":
             node = g.call_function(collectives.grad_sync, (ins[0], ctx.group))
         elif op == "sp.reduce_partial":

@@ -42,6 +42,28 @@ class _GradSync(torch.autograd.Function):
         return _all_reduce(g, ctx.group), None
 
 
+class _GradSyncMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, group: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple:
+        # One all-reduce per dtype over the flattened gradients.
+        out: list[torch.Tensor | None] = [None] * len(gs)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(gs):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for idx in by_dtype.values():
+            flat = torch.cat([gs[i].reshape(-1) for i in idx]) if len(idx) > 1 else gs[idx[0]].reshape(-1)
+            summed = _all_reduce(flat, ctx.group)
+            pieces = torch.split(summed, [gs[i].numel() for i in idx])
+            for i, piece in zip(idx, pieces):
+                out[i] = piece.view(gs[i].shape)
+        return (None, *out)
+
+
 class _ReducePartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
@@ -54,6 +76,11 @@ class _ReducePartial(torch.autograd.Function):
 
 def grad_sync(x: torch.Tensor, group: str) -> torch.Tensor:
     return _GradSync.apply(x, group)
+
+
+def grad_sync_many(xs: Sequence[torch.Tensor], group: str) -> tuple[torch.Tensor, ...]:
+    """grad_sync for several tensors with one bucketed all-reduce in the backward."""
+    return _GradSyncMany.apply(group, *xs)
 
 
 def reduce_partial(x: torch.Tensor, group: str) -> torch.Tensor:

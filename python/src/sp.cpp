@@ -37,7 +37,8 @@ void init_sp(nb::module_& m) {
   nb::class_<SpConfig>(m, "SpConfig")
       .def(nb::init<>())
       .def_rw("sp_size", &SpConfig::sp_size)
-      .def_rw("fuse_qkv", &SpConfig::fuse_qkv);
+      .def_rw("fuse_qkv", &SpConfig::fuse_qkv)
+      .def_rw("bucket_grad_sync", &SpConfig::bucket_grad_sync);
 
   nb::class_<SpPlan>(m, "SpPlan")
       .def_ro("graph", &SpPlan::graph)

@@ -212,7 +212,7 @@ TEST(UlyssesLlama, MhaP2) {
 
   EXPECT_EQ(plan.collective_counts(), (std::map<std::string, int>{{"sp.all_to_all", 2},
                                                                   {"sp.count_valid", 1},
-                                                                  {"sp.grad_sync", 8},
+                                                                  {"sp.grad_sync", 1},
                                                                   {"sp.reduce_partial", 1}}));
   // One fused exchange in, one out.
   const auto a2a = nodes_with_op(plan, "sp.all_to_all");
@@ -278,12 +278,20 @@ TEST(UlyssesLlama, UnfusedQkvExchangesThreeTimes) {
 }
 
 TEST(UlyssesLlama, TwoLayersCollectiveCounts) {
-  const SpPlan plan = plan_ulysses(llama({.layers = 2}), {.sp_size = 2});
+  const SpPlan plan = plan_ulysses(llama({.layers = 2}), {.sp_size = 2, .bucket_grad_sync = false});
   // 2 fused exchanges in + 2 out; one gradient sync per parameter (2 * 5 + embed, norm, head).
   EXPECT_EQ(plan.collective_counts(), (std::map<std::string, int>{{"sp.all_to_all", 4},
                                                                   {"sp.count_valid", 1},
                                                                   {"sp.grad_sync", 13},
                                                                   {"sp.reduce_partial", 1}}));
+  // Bucketed (the default): one sync for all 13 parameters, placed right after the inputs.
+  const SpPlan bucketed = plan_ulysses(llama({.layers = 2}), {.sp_size = 2});
+  const auto syncs = nodes_with_op(bucketed, "sp.grad_sync");
+  ASSERT_EQ(syncs.size(), 1u);
+  EXPECT_EQ(syncs[0]->inputs.size(), 13u);
+  size_t first_non_input = 0;
+  while (bucketed.graph.nodes[first_non_input].op == "input") ++first_non_input;
+  EXPECT_EQ(bucketed.graph.nodes[first_non_input].op, "sp.grad_sync");
   // The RoPE tables are sliced once and shared by every layer.
   EXPECT_EQ(nodes_with_op(plan, "sp.slice").size(), 4u);  // ids, cos, sin, targets
 }
