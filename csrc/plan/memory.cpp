@@ -1,0 +1,500 @@
+#include "plan/memory.h"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+namespace autosp {
+
+// ---------------------------------------------------------------------------------------------
+// Sizes
+
+SeqBytes SeqBytes::constant(int64_t bytes) { return SeqBytes{{SeqTerm{bytes, 0, 1}}}; }
+
+SeqBytes SeqBytes::term(int64_t coef, int power, int64_t shard) {
+  return SeqBytes{{SeqTerm{coef, power, shard}}};
+}
+
+int64_t SeqBytes::at(int64_t seq) const {
+  __int128 total = 0;
+  const __int128 limit = std::numeric_limits<int64_t>::max();
+  for (const SeqTerm& t : terms) {
+    if (t.shard < 1 || t.power < 0) {
+      throw std::invalid_argument("[memory] malformed size term " + str() +
+                                  ": expected shard >= 1 and power >= 0");
+    }
+    __int128 v = t.coef;
+    for (int p = 0; p < t.power; ++p) {
+      v *= seq;
+      if (v > limit || v < -limit)
+        throw std::overflow_error("[memory] size " + str() + " at S=" + std::to_string(seq) +
+                                  " exceeds int64");
+    }
+    if (v % t.shard != 0) {
+      throw std::invalid_argument("[memory] size " + str() +
+                                  " is not whole at S=" + std::to_string(seq) +
+                                  "; expected S a multiple of " + std::to_string(t.shard));
+    }
+    total += v / t.shard;
+  }
+  if (total > limit) {
+    throw std::overflow_error("[memory] size " + str() + " at S=" + std::to_string(seq) +
+                              " exceeds int64");
+  }
+  return static_cast<int64_t>(total);
+}
+
+bool SeqBytes::is_zero() const {
+  return std::all_of(terms.begin(), terms.end(), [](const SeqTerm& t) { return t.coef == 0; });
+}
+
+std::string SeqBytes::str() const {
+  if (terms.empty()) return "0";
+  std::ostringstream out;
+  for (size_t i = 0; i < terms.size(); ++i) {
+    const SeqTerm& t = terms[i];
+    if (i > 0) out << " + ";
+    out << t.coef;
+    if (t.power == 1) out << "*S";
+    if (t.power > 1) out << "*S^" << t.power;
+    if (t.shard != 1) out << "/" << t.shard;
+  }
+  return out.str();
+}
+
+double SeqFlops::at(int64_t seq) const { return coef * std::pow(static_cast<double>(seq), power); }
+
+int64_t optimizer_state_bytes(const TrainingConfig& cfg) {
+  const int64_t per_param = cfg.dtype == DtypePolicy::kFp32 ? 8 : 16;
+  const int64_t shards = std::max<int64_t>(cfg.optimizer_shards, 1);
+  return (cfg.num_params * per_param + shards - 1) / shards;
+}
+
+int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {
+  if (!cfg.optimizer_foreach) return 0;
+  const int64_t shards = std::max<int64_t>(cfg.optimizer_shards, 1);
+  return (cfg.num_params * 4 + shards - 1) / shards;
+}
+
+const char* to_string(RematStrategy strategy) {
+  switch (strategy) {
+    case RematStrategy::kNone:
+      return "none";
+    case RematStrategy::kDefault:
+      return "default";
+    case RematStrategy::kSequenceAware:
+      return "sequence-aware";
+    case RematStrategy::kFullCheckpoint:
+      return "full";
+  }
+  return "?";
+}
+
+const char* to_string(DtypePolicy dtype) { return dtype == DtypePolicy::kFp32 ? "fp32" : "bf16"; }
+
+namespace {
+
+void validate(const MemoryGraph& graph) {
+  const int32_t n = static_cast<int32_t>(graph.nodes.size());
+  for (int32_t i = 0; i < n; ++i) {
+    const MemoryNode& node = graph.nodes[i];
+    if (node.alias_of >= i || node.alias_of < -1) {
+      throw std::invalid_argument("[memory] node " + std::to_string(i) + " (" + node.facts.name +
+                                  ") aliases node " + std::to_string(node.alias_of) +
+                                  "; expected an earlier node or -1");
+    }
+    for (int32_t u : node.facts.users) {
+      if (u <= i || u >= n) {
+        throw std::invalid_argument("[memory] node " + std::to_string(i) + " (" + node.facts.name +
+                                    ") has user " + std::to_string(u) +
+                                    "; expected a later node index < " + std::to_string(n));
+      }
+    }
+  }
+}
+
+std::vector<std::vector<int32_t>> node_inputs(const MemoryGraph& graph) {
+  std::vector<std::vector<int32_t>> inputs(graph.nodes.size());
+  for (size_t i = 0; i < graph.nodes.size(); ++i) {
+    for (int32_t u : graph.nodes[i].facts.users) inputs[u].push_back(static_cast<int32_t>(i));
+  }
+  return inputs;
+}
+
+bool is_forward_op(const MemoryNode& node) {
+  return node.role == MemoryRole::kCompute && node.facts.required_fw;
+}
+
+// "layers.3" -> true; "lm_head", "" -> false. Full checkpointing wraps each such layer.
+bool in_checkpointed_layer(const std::string& layer) {
+  return !layer.empty() && std::isdigit(static_cast<unsigned char>(layer.back()));
+}
+
+// Full activation checkpointing of every layer, as torch.utils.checkpoint around each decoder
+// layer does: a value computed inside a layer is saved only if it leaves the layer (it is then
+// the next layer's input); everything else inside the layer that the backward needs is
+// recomputed. Values computed outside layers are saved as the backward needs them.
+std::vector<RematFate> full_checkpoint_fates(const MemoryGraph& graph) {
+  const auto& nodes = graph.nodes;
+  const int32_t n = static_cast<int32_t>(nodes.size());
+  const auto inputs = node_inputs(graph);
+  std::vector<RematFate> fate(n, RematFate::kBackwardOnly);
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].facts.required_fw) fate[i] = RematFate::kForwardOnly;
+  }
+  auto leaves_layer = [&](int32_t i) {
+    const std::string& layer = nodes[i].facts.layer;
+    if (!in_checkpointed_layer(layer)) return true;
+    for (int32_t u : nodes[i].facts.users) {
+      if (is_forward_op(nodes[u]) && nodes[u].facts.layer != layer) return true;
+    }
+    return false;
+  };
+  std::vector<int32_t> stack;
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role != MemoryRole::kCompute || nodes[i].facts.required_fw) continue;
+    for (int32_t w : inputs[i]) stack.push_back(w);
+  }
+  while (!stack.empty()) {
+    const int32_t v = stack.back();
+    stack.pop_back();
+    if (!is_forward_op(nodes[v]) || fate[v] != RematFate::kForwardOnly) continue;
+    if (leaves_layer(v)) {
+      fate[v] = RematFate::kSaved;
+      continue;
+    }
+    fate[v] = RematFate::kRecomputed;
+    for (int32_t w : inputs[v]) stack.push_back(w);
+  }
+  // Placeholders the backward reads are "saved" in the remat solver's sense.
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role == MemoryRole::kCompute || !nodes[i].facts.required_fw) continue;
+    for (int32_t u : nodes[i].facts.users) {
+      if (!nodes[u].facts.required_fw || fate[u] == RematFate::kRecomputed) {
+        fate[i] = RematFate::kSaved;
+        break;
+      }
+    }
+  }
+  return fate;
+}
+
+enum Category : int {
+  kParamsCat,
+  kGradsCat,
+  kOptimCat,
+  kSavedCat,
+  kTransientCat,
+  kCommCat,
+  kInputsCat,
+  kNumCategories
+};
+
+}  // namespace
+
+std::vector<RematFate> decide_fates(const MemoryGraph& graph, int64_t seq,
+                                    const MemoryOptions& options) {
+  validate(graph);
+  if (options.strategy == RematStrategy::kFullCheckpoint) return full_checkpoint_fates(graph);
+  RematGraph remat;
+  remat.nodes.reserve(graph.nodes.size());
+  for (const MemoryNode& node : graph.nodes) {
+    RematNode facts = node.facts;
+    facts.bytes = node.save_bytes.at(seq);
+    facts.flops = node.flops.at(seq);
+    remat.nodes.push_back(std::move(facts));
+  }
+  RematOptions ro;
+  ro.policy = options.strategy == RematStrategy::kNone      ? RematPolicy::kNone
+              : options.strategy == RematStrategy::kDefault ? RematPolicy::kDefault
+                                                            : RematPolicy::kSequenceAware;
+  ro.recompute_flops_ratio = options.recompute_flops_ratio;
+  ro.max_dist_from_bw = options.max_dist_from_bw;
+  return solve_remat(remat, ro).fate;
+}
+
+MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
+                                     const MemoryOptions& options) {
+  if (seq < 1) {
+    throw std::invalid_argument("[memory] sequence length " + std::to_string(seq) +
+                                "; expected a positive length");
+  }
+  const std::vector<RematFate> fate = decide_fates(graph, seq, options);
+  const auto& nodes = graph.nodes;
+  const int32_t n = static_cast<int32_t>(nodes.size());
+  const auto inputs = node_inputs(graph);
+
+  std::vector<int64_t> alloc(n), scratch(n);
+  for (int32_t i = 0; i < n; ++i) {
+    alloc[i] = nodes[i].alias_of >= 0 ? 0 : nodes[i].alloc_bytes.at(seq);
+    scratch[i] = nodes[i].scratch_bytes.at(seq);
+  }
+  auto root = [&](int32_t i) {
+    while (nodes[i].alias_of >= 0) i = nodes[i].alias_of;
+    return i;
+  };
+  auto saved = [&](int32_t i) {
+    return fate[i] == RematFate::kSaved && nodes[i].role != MemoryRole::kParameter;
+  };
+
+  MemoryBreakdown out;
+  out.seq_len = seq;
+  std::array<int64_t, kNumCategories> persistent{};
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role == MemoryRole::kParameter) persistent[kParamsCat] += alloc[i];
+    if (nodes[i].role == MemoryRole::kInput) persistent[kInputsCat] += alloc[i];
+  }
+  persistent[kOptimCat] = optimizer_state_bytes(options.training);
+
+  // Storage instances: [0, n) the forward's (or a placeholder's), [n, 2n) the backward's own
+  // (recomputed or backward ops), both indexed by the node that allocated them.
+  std::vector<uint8_t> held(2 * n, 0);  // not freed at its last use in its program
+  std::vector<int> category(2 * n, kTransientCat);
+  std::vector<uint8_t> is_saved_storage(n, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t r = root(i);
+    if (saved(i)) is_saved_storage[r] = 1;
+    if (nodes[i].forward_output) held[r] = 1;
+    if (nodes[r].collective) category[r] = category[n + r] = kCommCat;
+  }
+  for (int32_t r = 0; r < n; ++r) {
+    if (is_saved_storage[r]) {
+      held[r] = 1;
+      category[r] = kSavedCat;
+    }
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    if (is_saved_storage[i] && nodes[i].role == MemoryRole::kCompute) {
+      out.saved_bytes += alloc[i];
+    } else if (is_saved_storage[i] && nodes[i].role == MemoryRole::kInput) {
+      out.saved_bytes += alloc[i];
+    }
+    if (saved(i) && nodes[i].role != MemoryRole::kTangent) ++out.saved_count;
+    if (fate[i] == RematFate::kRecomputed) ++out.recomputed_count;
+  }
+
+  std::array<int64_t, kNumCategories> live{};
+  auto total = [&](const std::array<int64_t, kNumCategories>& extra) {
+    int64_t t = 0;
+    for (int c = 0; c < kNumCategories; ++c) t += persistent[c] + live[c] + extra[c];
+    return t;
+  };
+  auto record = [&](const std::array<int64_t, kNumCategories>& extra, const char* phase,
+                    const std::string& at) {
+    const int64_t t = total(extra);
+    if (t <= out.peak) return;
+    out.peak = t;
+    out.phase = phase;
+    out.peak_node = at;
+    out.parameters = persistent[kParamsCat] + live[kParamsCat] + extra[kParamsCat];
+    out.gradients = persistent[kGradsCat] + live[kGradsCat] + extra[kGradsCat];
+    out.optimizer_state = persistent[kOptimCat] + live[kOptimCat] + extra[kOptimCat];
+    out.saved_activations = persistent[kSavedCat] + live[kSavedCat] + extra[kSavedCat];
+    out.transient = persistent[kTransientCat] + live[kTransientCat] + extra[kTransientCat];
+    out.communication = persistent[kCommCat] + live[kCommCat] + extra[kCommCat];
+    out.inputs = persistent[kInputsCat] + live[kInputsCat] + extra[kInputsCat];
+  };
+  std::vector<int64_t> instance_bytes(2 * n, 0);
+  auto free_instance = [&](int32_t s) {
+    live[category[s]] -= instance_bytes[s];
+    instance_bytes[s] = 0;
+  };
+  // Runs one program (forward or backward): `order` lists node indices, `storage(i)` maps a
+  // node to the instance holding its output, `owns(i)` says whether running i allocates it.
+  auto run = [&](const std::vector<int32_t>& order, auto&& storage, auto&& owns,
+                 const char* phase) {
+    std::vector<int32_t> last_use(2 * n, -1);
+    for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
+      const int32_t i = order[p];
+      last_use[storage(i)] = std::max(last_use[storage(i)], p);
+      for (int32_t w : inputs[i]) last_use[storage(w)] = std::max(last_use[storage(w)], p);
+    }
+    std::vector<std::vector<int32_t>> frees(order.size());
+    for (int32_t s = 0; s < 2 * n; ++s) {
+      if (last_use[s] >= 0 && !held[s]) frees[last_use[s]].push_back(s);
+    }
+    for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
+      const int32_t i = order[p];
+      if (owns(i)) {
+        const int32_t s = storage(i);
+        instance_bytes[s] += alloc[i];
+        live[category[s]] += alloc[i];
+      }
+      std::array<int64_t, kNumCategories> extra{};
+      extra[kTransientCat] = scratch[i];
+      record(extra, phase, nodes[i].facts.name);
+      for (int32_t s : frees[p]) free_instance(s);
+    }
+  };
+
+  // Forward: every op the forward graph computes, in graph order: the ops the forward's
+  // outputs need, the saved values (a getitem of a forward op that only the backward reads is
+  // saved without being "required" by the forward) and whatever those need.
+  std::vector<uint8_t> in_forward(n, 0);
+  for (int32_t i = n - 1; i >= 0; --i) {
+    if (nodes[i].role != MemoryRole::kCompute) continue;
+    if (is_forward_op(nodes[i]) || fate[i] == RematFate::kSaved) in_forward[i] = 1;
+    if (!in_forward[i]) continue;
+    for (int32_t w : inputs[i]) in_forward[w] = 1;
+  }
+  std::vector<int32_t> fw_order;
+  for (int32_t i = 0; i < n; ++i) {
+    if (in_forward[i] && nodes[i].role == MemoryRole::kCompute) fw_order.push_back(i);
+  }
+  run(
+      fw_order, [&](int32_t i) { return root(i); },
+      [&](int32_t i) { return nodes[i].alias_of < 0; }, "forward");
+
+  // Backward: each backward op preceded by the recomputations it needs, in graph order
+  // (PyTorch's reordering_to_mimic_autograd_engine).
+  std::vector<uint8_t> emitted(n, 0);
+  std::vector<int32_t> bw_order;
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role != MemoryRole::kCompute || in_forward[i] || emitted[i]) continue;
+    std::vector<int32_t> pending, stack{i};
+    while (!stack.empty()) {
+      const int32_t v = stack.back();
+      stack.pop_back();
+      if (emitted[v]) continue;
+      emitted[v] = 1;
+      pending.push_back(v);
+      for (int32_t w : inputs[v]) {
+        if (nodes[w].role != MemoryRole::kCompute || emitted[w] || saved(w)) continue;
+        if (fate[w] == RematFate::kForwardOnly) {
+          throw std::invalid_argument("[memory] backward op " + nodes[v].facts.name + " reads " +
+                                      nodes[w].facts.name +
+                                      ", which is neither saved nor recomputed");
+        }
+        stack.push_back(w);
+      }
+    }
+    std::sort(pending.begin(), pending.end());
+    bw_order.insert(bw_order.end(), pending.begin(), pending.end());
+  }
+  // A node's output in the backward: the backward's own allocation, unless the alias chain
+  // reaches a saved value or a placeholder first (then the forward's instance, still held).
+  auto bw_storage = [&](int32_t i) {
+    int32_t j = i;
+    while (true) {
+      if (nodes[j].role != MemoryRole::kCompute || saved(j) || !emitted[j]) return root(j);
+      if (nodes[j].alias_of < 0) return n + j;
+      j = nodes[j].alias_of;
+    }
+  };
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role == MemoryRole::kTangent) {
+      instance_bytes[i] = alloc[i];
+      live[kTransientCat] += alloc[i];
+    }
+  }
+  for (int32_t i : bw_order) {
+    if (nodes[i].gradient) {
+      const int32_t s = bw_storage(i);
+      held[s] = 1;
+      category[s] = kGradsCat;
+    }
+  }
+  // Saved storages are released by the backward at their last use there: un-hold them.
+  for (int32_t r = 0; r < n; ++r) {
+    if (is_saved_storage[r] && !nodes[r].forward_output) held[r] = 0;
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].forward_output) held[root(i)] = 1;
+  }
+  // A saved storage the backward never reads is released when the backward starts.
+  std::vector<uint8_t> read_in_bw(2 * n, 0);
+  for (int32_t i : bw_order) {
+    read_in_bw[bw_storage(i)] = 1;
+    for (int32_t w : inputs[i]) read_in_bw[bw_storage(w)] = 1;
+  }
+  for (int32_t r = 0; r < n; ++r) {
+    if (is_saved_storage[r] && !read_in_bw[r] && !held[r]) free_instance(r);
+  }
+  run(
+      bw_order, bw_storage,
+      [&](int32_t i) { return nodes[i].alias_of < 0 && bw_storage(i) == n + i; }, "backward");
+
+  // Optimizer step: parameters, gradients, state and the step's temporaries.
+  std::array<int64_t, kNumCategories> extra{};
+  extra[kOptimCat] = optimizer_workspace_bytes(options.training);
+  // Activations still live here would be a leak in the graph; only gradients and held
+  // forward outputs (the loss) remain.
+  record(extra, "optimizer", "optimizer.step");
+  return out;
+}
+
+Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions& options,
+                                   const TrainabilityQuery& query) {
+  if (query.seq_multiple < 1 || query.max_seq < query.seq_multiple) {
+    throw std::invalid_argument(
+        "[memory] search over multiples of " + std::to_string(query.seq_multiple) + " up to " +
+        std::to_string(query.max_seq) + "; expected 1 <= seq_multiple <= max_seq");
+  }
+  int64_t parameters = 0;
+  for (const MemoryNode& node : graph.nodes) {
+    if (node.role == MemoryRole::kParameter && node.alias_of < 0) {
+      parameters += node.alloc_bytes.at(query.seq_multiple);
+    }
+  }
+  if (query.budget_bytes < parameters) {
+    std::ostringstream msg;
+    msg << std::fixed << std::setprecision(2) << "[memory] budget of " << query.budget_bytes
+        << " bytes (" << static_cast<double>(query.budget_bytes) / (1 << 20)
+        << " MiB) per rank is below the parameters' own " << parameters << " bytes ("
+        << static_cast<double>(parameters) / (1 << 20)
+        << " MiB); expected a budget above the parameters' size";
+    throw std::invalid_argument(msg.str());
+  }
+  Trainability result;
+  const int64_t m = query.seq_multiple;
+  const int64_t kmax = query.max_seq / m;
+  auto eval = [&](int64_t k) {
+    ++result.evaluations;
+    return simulate_peak_memory(graph, k * m, options);
+  };
+  MemoryBreakdown b = eval(1);
+  if (b.peak > query.budget_bytes) {
+    result.first_oom = b;
+    return result;
+  }
+  int64_t lo = 1, hi = 0;
+  MemoryBreakdown at_lo = b, at_hi;
+  while (true) {
+    if (lo == kmax) {
+      result.capped = true;
+      break;
+    }
+    const int64_t k = std::min(lo * 2, kmax);
+    MemoryBreakdown bk = eval(k);
+    if (bk.peak <= query.budget_bytes) {
+      lo = k;
+      at_lo = bk;
+    } else {
+      hi = k;
+      at_hi = bk;
+      break;
+    }
+  }
+  while (hi > lo + 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    MemoryBreakdown bm = eval(mid);
+    if (bm.peak <= query.budget_bytes) {
+      lo = mid;
+      at_lo = bm;
+    } else {
+      hi = mid;
+      at_hi = bm;
+    }
+  }
+  result.longest_seq = lo * m;
+  result.at_longest = at_lo;
+  result.first_oom = at_hi;
+  return result;
+}
+
+}  // namespace autosp

@@ -1,0 +1,197 @@
+// Memory model: predicts the peak memory of one training step per rank, and the longest
+// sequence length S whose peak fits a budget.
+//
+// Input: the joint forward+backward graph of one step for one rank (what AOTAutograd traces
+// and the remat solver partitions), traced once with S symbolic. Every value's size is then a
+// closed form in S (SeqBytes below), so the model is evaluated at any S without re-tracing:
+//
+//   1. evaluate each node's bytes and FLOPs at S;
+//   2. decide the saved set with the remat solver (plan/remat.h) under the strategy's policy,
+//      or, for full checkpointing, save only each layer's inputs;
+//   3. walk the schedule -- the forward in graph order, then the backward in the order
+//      PyTorch's partitioner gives it (reordering_to_mimic_autograd_engine: each backward op
+//      is preceded by the recomputations it needs, in graph order), then the optimizer step --
+//      allocating each value's storage when its producer runs and freeing it after the last
+//      use of any alias of it, with saved values held from the forward until their last
+//      backward use and gradients held until the optimizer step has run;
+//   4. report the peak and what was live at it.
+//
+// Example (one layer x -> mm -> relu -> loss, S = 1024, fp32, 4 MiB per activation):
+//   policy kNone saves relu (4 MiB): the peak is reached in the backward, where the saved
+//   relu, the gradient of mm's weight and the backward's own temporaries are live together.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "plan/remat.h"
+
+namespace autosp {
+
+// One term coef * S^power / shard of a size in bytes. `shard` is the SP degree's share of
+// the sequence factor (P for a Shard value, P^2 for one sharded in two S factors, 1 for a
+// replicated value); the division is exact when S is a multiple of the SP degree.
+//   SeqTerm{.coef = 2 * 4096 * 2, .power = 1, .shard = 8}.at(65536) == 2 * 4096 * 2 * 8192
+struct SeqTerm {
+  int64_t coef = 0;
+  int power = 0;
+  int64_t shard = 1;
+
+  bool operator==(const SeqTerm&) const = default;
+};
+
+// Bytes as a function of S: a sum of terms (a multi-output op may mix powers).
+//   SeqBytes{{{64, 1, 2}, {16, 0, 1}}}.at(8) == 64 * 8 / 2 + 16 == 272
+//   SeqBytes{{{64, 1, 2}, {16, 0, 1}}}.str() == "64*S/2 + 16"
+struct SeqBytes {
+  std::vector<SeqTerm> terms;
+
+  static SeqBytes constant(int64_t bytes);
+  static SeqBytes term(int64_t coef, int power, int64_t shard = 1);
+  // Throws std::invalid_argument ("[memory] ...") when a term is not an integer at `seq`
+  // (S not a multiple of the shard) and std::overflow_error when the result exceeds int64.
+  int64_t at(int64_t seq) const;
+  bool is_zero() const;
+  std::string str() const;
+  bool operator==(const SeqBytes&) const = default;
+};
+
+// FLOPs as a function of S: coef * S^power (matmuls are linear in S, attention quadratic).
+struct SeqFlops {
+  double coef = 0;
+  int power = 0;
+
+  double at(int64_t seq) const;
+  bool operator==(const SeqFlops&) const = default;
+};
+
+enum class MemoryRole : uint8_t {
+  kParameter,  // a parameter placeholder: persistent, counted as "parameters"
+  kInput,      // another primal placeholder (token ids, labels, RNG seeds): persistent
+  kTangent,    // a tangent placeholder: an input of the backward
+  kCompute,    // an op of the forward or backward
+};
+
+// One node of the joint graph (graph order). `facts` are the remat solver's facts; their
+// `bytes` and `flops` are overwritten at each S from `save_bytes` and `flops`.
+struct MemoryNode {
+  RematNode facts;
+  MemoryRole role = MemoryRole::kCompute;
+  SeqBytes save_bytes;      // what saving this node costs (PyTorch's _size_of): remat capacities
+  SeqFlops flops;           // FLOPs to compute it once
+  SeqBytes alloc_bytes;     // the storage its output allocates (empty for an alias)
+  SeqBytes scratch_bytes;   // allocated while it runs, freed right after (unused tuple outputs)
+  int32_t alias_of = -1;    // index of the node whose storage its output shares (views, waits)
+  bool collective = false;  // its storage is a communication buffer (a collective's output)
+  bool gradient = false;    // returned by the backward as a parameter's gradient
+  bool forward_output = false;  // returned by the forward to the caller (the loss)
+
+  bool operator==(const MemoryNode&) const = default;
+};
+
+struct MemoryGraph {
+  std::vector<MemoryNode> nodes;
+  bool operator==(const MemoryGraph&) const = default;
+};
+
+enum class RematStrategy : uint8_t { kNone, kDefault, kSequenceAware, kFullCheckpoint };
+
+enum class DtypePolicy : uint8_t {
+  kFp32,       // fp32 parameters and gradients; AdamW exp_avg + exp_avg_sq in fp32 (8 B/param)
+  kBf16Mixed,  // bf16 parameters and gradients in the graph; fp32 master weights, fp32
+               // gradient accumulator and AdamW state in the optimizer (16 B/param)
+};
+
+// The training step around the graph.
+struct TrainingConfig {
+  int64_t num_params = 0;  // parameters of the model (each rank holds them all)
+  DtypePolicy dtype = DtypePolicy::kFp32;
+  int64_t optimizer_shards = 1;  // ZeRO-1: optimizer state sharded over this many ranks
+  // torch.optim.AdamW(foreach=True) allocates one fp32 temporary per parameter of its shard
+  // (exp_avg_sq.sqrt()) during step(); a fused kernel allocates none.
+  bool optimizer_foreach = true;
+
+  bool operator==(const TrainingConfig&) const = default;
+};
+
+struct MemoryOptions {
+  RematStrategy strategy = RematStrategy::kSequenceAware;
+  double recompute_flops_ratio = 0.1;  // RematOptions::recompute_flops_ratio
+  int max_dist_from_bw = 1000;         // RematOptions::max_dist_from_bw
+  TrainingConfig training;
+
+  bool operator==(const MemoryOptions&) const = default;
+};
+
+// Bytes per rank, live at one moment, by category. `peak` is their sum.
+struct MemoryBreakdown {
+  int64_t seq_len = 0;
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer_state = 0;    // AdamW state (+ fp32 master weights), and step() temporaries
+  int64_t saved_activations = 0;  // storages held for the backward (saved set), still live
+  int64_t transient = 0;          // other activations and temporaries live at the peak
+  int64_t communication = 0;      // collective outputs live at the peak (not saved, not grads)
+  int64_t inputs = 0;             // token ids, labels
+  int64_t peak = 0;
+  std::string phase;      // "forward", "backward" or "optimizer"
+  std::string peak_node;  // the op during which the peak is reached
+  // The whole saved set (not only what is live at the peak): distinct storages the forward
+  // keeps for the backward, parameters excluded.
+  int64_t saved_bytes = 0;
+  int32_t saved_count = 0;
+  int32_t recomputed_count = 0;
+
+  bool operator==(const MemoryBreakdown&) const = default;
+};
+
+// Bytes of the optimizer's persistent state per rank (fp32 master weights, gradient
+// accumulator and AdamW moments, sharded over `optimizer_shards`), and of its step()
+// temporaries.
+//   fp32, 1000 params, 1 shard:  state 8000, workspace 4000 (foreach)
+//   bf16, 1000 params, 4 shards: state 4000, workspace 1000
+int64_t optimizer_state_bytes(const TrainingConfig& cfg);
+int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
+
+// The saved set at `seq`: fate per node (RematFate), as the remat solver decides it for the
+// strategy, or, for kFullCheckpoint, saving only values that cross a layer boundary (a layer
+// is a RematNode::layer ending in a numbered component, "layers.3") or live outside layers.
+std::vector<RematFate> decide_fates(const MemoryGraph& graph, int64_t seq,
+                                    const MemoryOptions& options);
+
+// The peak memory of one training step per rank at sequence length `seq`, with what was live
+// at the peak. Throws std::invalid_argument ("[memory] ...") for a malformed graph or a `seq`
+// that is not positive or not a multiple of a shard factor.
+MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
+                                     const MemoryOptions& options);
+
+struct TrainabilityQuery {
+  int64_t budget_bytes = 0;   // per rank
+  int64_t seq_multiple = 1;   // S is searched over multiples of this (a multiple of P)
+  int64_t max_seq = 1 << 24;  // search no further than this
+
+  bool operator==(const TrainabilityQuery&) const = default;
+};
+
+struct Trainability {
+  int64_t longest_seq = 0;     // 0: not even seq_multiple fits
+  MemoryBreakdown at_longest;  // the prediction at longest_seq (seq_len 0 if none)
+  MemoryBreakdown first_oom;   // at the next multiple (seq_len 0 if max_seq was reached)
+  bool capped = false;         // longest_seq == the largest multiple <= max_seq
+  int32_t evaluations = 0;
+
+  bool operator==(const Trainability&) const = default;
+};
+
+// The longest multiple of `seq_multiple` whose predicted peak fits the budget, by doubling
+// then bisection (the peak grows with S for a fixed strategy).
+// Throws std::invalid_argument ("[memory] ...") when the budget is below the parameters' own
+// bytes (nothing could train), or for seq_multiple / max_seq < 1.
+Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions& options,
+                                   const TrainabilityQuery& query);
+
+const char* to_string(RematStrategy strategy);
+const char* to_string(DtypePolicy dtype);
+
+}  // namespace autosp

@@ -1,0 +1,161 @@
+// Bindings for the memory model (plan/memory.h): sizes as functions of S, the per-rank
+// simulator and the trainability search.
+#include "plan/memory.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/operators.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+void init_memory(nb::module_& m) {
+  using namespace autosp;
+
+  nb::class_<SeqTerm>(m, "SeqTerm")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](SeqTerm* t, int64_t coef, int power, int64_t shard) {
+            new (t) SeqTerm{coef, power, shard};
+          },
+          "coef"_a, "power"_a = 0, "shard"_a = 1)
+      .def_rw("coef", &SeqTerm::coef)
+      .def_rw("power", &SeqTerm::power)
+      .def_rw("shard", &SeqTerm::shard)
+      .def(nb::self == nb::self);
+
+  nb::class_<SeqBytes>(m, "SeqBytes")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](SeqBytes* b, const std::vector<SeqTerm>& terms) { new (b) SeqBytes{terms}; },
+          "terms"_a)
+      .def_rw("terms", &SeqBytes::terms)
+      .def("at", &SeqBytes::at, "seq"_a, "Bytes at sequence length `seq`.")
+      .def("__str__", &SeqBytes::str)
+      .def("__repr__", [](const SeqBytes& b) { return "SeqBytes(" + b.str() + ")"; })
+      .def(nb::self == nb::self);
+
+  nb::class_<SeqFlops>(m, "SeqFlops")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](SeqFlops* f, double coef, int power) {
+            new (f) SeqFlops{coef, power};
+          },
+          "coef"_a, "power"_a)
+      .def_rw("coef", &SeqFlops::coef)
+      .def_rw("power", &SeqFlops::power)
+      .def("at", &SeqFlops::at, "seq"_a);
+
+  nb::enum_<MemoryRole>(m, "MemoryRole")
+      .value("PARAMETER", MemoryRole::kParameter)
+      .value("INPUT", MemoryRole::kInput)
+      .value("TANGENT", MemoryRole::kTangent)
+      .value("COMPUTE", MemoryRole::kCompute);
+
+  nb::class_<MemoryNode>(m, "MemoryNode")
+      .def(nb::init<>())
+      .def_rw("facts", &MemoryNode::facts)
+      .def_rw("role", &MemoryNode::role)
+      .def_rw("save_bytes", &MemoryNode::save_bytes)
+      .def_rw("flops", &MemoryNode::flops)
+      .def_rw("alloc_bytes", &MemoryNode::alloc_bytes)
+      .def_rw("scratch_bytes", &MemoryNode::scratch_bytes)
+      .def_rw("alias_of", &MemoryNode::alias_of)
+      .def_rw("collective", &MemoryNode::collective)
+      .def_rw("gradient", &MemoryNode::gradient)
+      .def_rw("forward_output", &MemoryNode::forward_output);
+
+  nb::class_<MemoryGraph>(m, "MemoryGraph")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](MemoryGraph* g, const std::vector<MemoryNode>& nodes) { new (g) MemoryGraph{nodes}; },
+          "nodes"_a)
+      .def_rw("nodes", &MemoryGraph::nodes)
+      .def("__len__", [](const MemoryGraph& g) { return g.nodes.size(); });
+
+  nb::enum_<RematStrategy>(m, "RematStrategy")
+      .value("NONE", RematStrategy::kNone)
+      .value("DEFAULT", RematStrategy::kDefault)
+      .value("SEQUENCE_AWARE", RematStrategy::kSequenceAware)
+      .value("FULL_CHECKPOINT", RematStrategy::kFullCheckpoint);
+
+  nb::enum_<DtypePolicy>(m, "DtypePolicy")
+      .value("FP32", DtypePolicy::kFp32)
+      .value("BF16_MIXED", DtypePolicy::kBf16Mixed);
+
+  nb::class_<TrainingConfig>(m, "TrainingConfig")
+      .def(nb::init<>())
+      .def_rw("num_params", &TrainingConfig::num_params)
+      .def_rw("dtype", &TrainingConfig::dtype)
+      .def_rw("optimizer_shards", &TrainingConfig::optimizer_shards)
+      .def_rw("optimizer_foreach", &TrainingConfig::optimizer_foreach);
+
+  nb::class_<MemoryOptions>(m, "MemoryOptions")
+      .def(nb::init<>())
+      .def_rw("strategy", &MemoryOptions::strategy)
+      .def_rw("recompute_flops_ratio", &MemoryOptions::recompute_flops_ratio)
+      .def_rw("max_dist_from_bw", &MemoryOptions::max_dist_from_bw)
+      .def_rw("training", &MemoryOptions::training);
+
+  nb::class_<MemoryBreakdown>(m, "MemoryBreakdown")
+      .def_ro("seq_len", &MemoryBreakdown::seq_len)
+      .def_ro("parameters", &MemoryBreakdown::parameters)
+      .def_ro("gradients", &MemoryBreakdown::gradients)
+      .def_ro("optimizer_state", &MemoryBreakdown::optimizer_state)
+      .def_ro("saved_activations", &MemoryBreakdown::saved_activations)
+      .def_ro("transient", &MemoryBreakdown::transient)
+      .def_ro("communication", &MemoryBreakdown::communication)
+      .def_ro("inputs", &MemoryBreakdown::inputs)
+      .def_ro("peak", &MemoryBreakdown::peak)
+      .def_ro("phase", &MemoryBreakdown::phase)
+      .def_ro("peak_node", &MemoryBreakdown::peak_node)
+      .def_ro("saved_bytes", &MemoryBreakdown::saved_bytes)
+      .def_ro("saved_count", &MemoryBreakdown::saved_count)
+      .def_ro("recomputed_count", &MemoryBreakdown::recomputed_count);
+
+  nb::class_<TrainabilityQuery>(m, "TrainabilityQuery")
+      .def(nb::init<>())
+      .def_rw("budget_bytes", &TrainabilityQuery::budget_bytes)
+      .def_rw("seq_multiple", &TrainabilityQuery::seq_multiple)
+      .def_rw("max_seq", &TrainabilityQuery::max_seq);
+
+  nb::class_<Trainability>(m, "Trainability")
+      .def_ro("longest_seq", &Trainability::longest_seq)
+      .def_ro("at_longest", &Trainability::at_longest)
+      .def_ro("first_oom", &Trainability::first_oom)
+      .def_ro("capped", &Trainability::capped)
+      .def_ro("evaluations", &Trainability::evaluations);
+
+  m.def("optimizer_state_bytes", &optimizer_state_bytes, "config"_a);
+  m.def("optimizer_workspace_bytes", &optimizer_workspace_bytes, "config"_a);
+  m.def(
+      "decide_fates",
+      [](const MemoryGraph& g, int64_t seq, const MemoryOptions& o) {
+        nb::gil_scoped_release release;
+        return decide_fates(g, seq, o);
+      },
+      "graph"_a, "seq"_a, "options"_a,
+      "Fate of every node (RematFate) at sequence length `seq` under the options' strategy.");
+  m.def(
+      "simulate_peak_memory",
+      [](const MemoryGraph& g, int64_t seq, const MemoryOptions& o) {
+        nb::gil_scoped_release release;
+        return simulate_peak_memory(g, seq, o);
+      },
+      "graph"_a, "seq"_a, "options"_a,
+      "Predicted peak memory per rank of one training step at sequence length `seq` (see "
+      "csrc/plan/memory.h).");
+  m.def(
+      "longest_trainable_seq",
+      [](const MemoryGraph& g, const MemoryOptions& o, const TrainabilityQuery& q) {
+        nb::gil_scoped_release release;
+        return longest_trainable_seq(g, o, q);
+      },
+      "graph"_a, "options"_a, "query"_a,
+      "The longest multiple of query.seq_multiple whose predicted peak fits query.budget_bytes.");
+}

@@ -1,0 +1,306 @@
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/memory.h"
+
+namespace autosp {
+namespace {
+
+// Builds a MemoryGraph the way the planner does: users, fusible_user and args derived from
+// each node's inputs.
+class MemoryGraphBuilder {
+ public:
+  struct Spec {
+    std::string name;
+    MemoryRole role = MemoryRole::kCompute;
+    RematOpKind kind = RematOpKind::kCheap;
+    SeqBytes bytes;  // allocation and save cost
+    std::vector<int32_t> inputs;
+    bool fw = true;
+    bool tangent = false;
+    std::string layer;
+    int32_t alias_of = -1;
+    bool gradient = false;
+    bool forward_output = false;
+  };
+
+  int32_t add(const Spec& s) {
+    MemoryNode m;
+    m.role = s.role;
+    m.save_bytes = s.bytes;
+    m.alloc_bytes = s.alias_of >= 0 ? SeqBytes{} : s.bytes;
+    m.alias_of = s.alias_of;
+    m.gradient = s.gradient;
+    m.forward_output = s.forward_output;
+    RematNode& f = m.facts;
+    f.name = s.name;
+    f.target = s.name;
+    f.layer = s.layer;
+    f.kind = s.role == MemoryRole::kCompute ? s.kind : RematOpKind::kInput;
+    f.required_fw = s.fw;
+    f.required_bw = !s.fw;
+    f.tangents_closure = s.tangent;
+    f.primal_input = s.role == MemoryRole::kParameter || s.role == MemoryRole::kInput;
+    f.static_lifetime = s.role == MemoryRole::kParameter;
+    f.fusible = f.kind == RematOpKind::kCheap || f.kind == RematOpKind::kView;
+    const int32_t id = static_cast<int32_t>(graph.nodes.size());
+    for (int32_t in : s.inputs) {
+      RematNode& producer = graph.nodes[in].facts;
+      producer.users.push_back(id);
+      producer.fusible_user.push_back(producer.fusible && f.fusible);
+      f.args.push_back(in);
+    }
+    graph.nodes.push_back(m);
+    return id;
+  }
+
+  MemoryGraph graph;
+};
+
+MemoryOptions fp32_options(RematStrategy strategy, int64_t num_params) {
+  MemoryOptions o;
+  o.strategy = strategy;
+  o.training = TrainingConfig{.num_params = num_params, .dtype = DtypePolicy::kFp32};
+  return o;
+}
+
+// x -> a = mm(x, p) -> b = relu(a) -> loss = sum(b); backward: gb = relu_bw(t, b),
+// gp = mm(x, gb) (p's gradient). Sizes in bytes: p 100, x 8*S, a and b 16*S, loss 4.
+MemoryGraph one_layer() {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  const int p =
+      g.add(S{.name = "p", .role = MemoryRole::kParameter, .bytes = SeqBytes::constant(100)});
+  const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(8, 1)});
+  const int a = g.add(S{
+      .name = "a", .kind = RematOpKind::kMatmul, .bytes = SeqBytes::term(16, 1), .inputs = {x, p}});
+  const int b = g.add(S{.name = "b", .bytes = SeqBytes::term(16, 1), .inputs = {a}});
+  g.add(S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {b}, .forward_output = true});
+  const int t = g.add(S{.name = "t",
+                        .role = MemoryRole::kTangent,
+                        .bytes = SeqBytes::constant(4),
+                        .fw = false,
+                        .tangent = true});
+  const int gb = g.add(S{.name = "gb",
+                         .bytes = SeqBytes::term(16, 1),
+                         .inputs = {t, b},
+                         .fw = false,
+                         .tangent = true});
+  g.add(S{.name = "gp",
+          .kind = RematOpKind::kMatmul,
+          .bytes = SeqBytes::constant(100),
+          .inputs = {x, gb},
+          .fw = false,
+          .tangent = true,
+          .gradient = true});
+  return g.graph;
+}
+
+TEST(MemorySizes, EvaluatesTermsAndPrints) {
+  const SeqBytes b{{{64, 1, 2}, {16, 0, 1}}};
+  EXPECT_EQ(b.at(8), 64 * 8 / 2 + 16);
+  EXPECT_EQ(b.str(), "64*S/2 + 16");
+  EXPECT_EQ(SeqBytes::term(3, 2).at(1000), 3'000'000);
+  EXPECT_EQ(SeqBytes{}.at(7), 0);
+  EXPECT_DOUBLE_EQ((SeqFlops{2.5, 2}.at(4)), 40.0);
+}
+
+TEST(MemorySizes, RejectsSequenceNotMultipleOfShard) {
+  try {
+    SeqBytes::term(16, 1, 3).at(10);
+    FAIL() << "expected invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected S a multiple of 3"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(SeqBytes::term(int64_t{1} << 40, 3).at(int64_t{1} << 20), std::overflow_error);
+}
+
+TEST(MemoryOptimizer, StateAndWorkspacePerDtypeAndSharding) {
+  EXPECT_EQ(optimizer_state_bytes({.num_params = 1000, .dtype = DtypePolicy::kFp32}), 8000);
+  EXPECT_EQ(optimizer_workspace_bytes({.num_params = 1000, .dtype = DtypePolicy::kFp32}), 4000);
+  const TrainingConfig bf16{
+      .num_params = 1000, .dtype = DtypePolicy::kBf16Mixed, .optimizer_shards = 4};
+  EXPECT_EQ(optimizer_state_bytes(bf16), 4000);
+  EXPECT_EQ(optimizer_workspace_bytes(bf16), 1000);
+  EXPECT_EQ(optimizer_workspace_bytes({.num_params = 1000, .optimizer_foreach = false}), 0);
+}
+
+// Worked by hand at S = 10 (policy none saves b): persistent params 100 + optimizer 200 +
+// input x 80. Forward peak while b is computed: + a 160 + b 160 = 700. Backward, while gb is
+// computed: saved b 160, loss 4, tangent 4, gb 160 -> 708. Optimizer: gp 100 + loss 4 +
+// workspace 100 -> 584.
+TEST(MemorySimulator, OneLayerPeakByHand) {
+  const MemoryGraph g = one_layer();
+  const MemoryBreakdown b = simulate_peak_memory(g, 10, fp32_options(RematStrategy::kNone, 25));
+  EXPECT_EQ(b, (MemoryBreakdown{.seq_len = 10,
+                                .parameters = 100,
+                                .gradients = 0,
+                                .optimizer_state = 200,
+                                .saved_activations = 160,
+                                .transient = 168,
+                                .communication = 0,
+                                .inputs = 80,
+                                .peak = 708,
+                                .phase = "backward",
+                                .peak_node = "gb",
+                                .saved_bytes = b.saved_bytes,
+                                .saved_count = b.saved_count,
+                                .recomputed_count = 0}));
+  // b is saved; x (an input the backward reads) is saved too and counted once, as an input.
+  EXPECT_EQ(b.saved_bytes, 160 + 80);
+}
+
+TEST(MemorySimulator, OptimizerPhaseWhenActivationsAreSmall) {
+  const MemoryGraph g = one_layer();
+  // S = 1: forward 300 + 8 + 32 = 340, backward 308 + 40 = 348; optimizer with 1000 params:
+  // optimizer state 8000 + workspace 4000 + params 100 + grads 100 + loss 4 + x 8.
+  const MemoryBreakdown b = simulate_peak_memory(g, 1, fp32_options(RematStrategy::kNone, 1000));
+  EXPECT_EQ(b.phase, "optimizer");
+  EXPECT_EQ(b.peak, 8000 + 4000 + 100 + 100 + 4 + 8);
+  EXPECT_EQ(b.gradients, 100);
+  EXPECT_EQ(b.optimizer_state, 12000);
+}
+
+TEST(MemorySimulator, ViewsShareTheirBaseStorage) {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(8, 1)});
+  const int a = g.add(S{.name = "a", .bytes = SeqBytes::term(16, 1), .inputs = {x}});
+  const int v = g.add(S{.name = "v",
+                        .kind = RematOpKind::kView,
+                        .bytes = SeqBytes::term(16, 1),
+                        .inputs = {a},
+                        .alias_of = a});
+  g.add(S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {v}, .forward_output = true});
+  const MemoryBreakdown b =
+      simulate_peak_memory(g.graph, 10, fp32_options(RematStrategy::kNone, 0));
+  EXPECT_EQ(b.peak, 80 + 160 + 4);  // the view allocates nothing and keeps a alive to loss
+}
+
+MemoryGraph two_layers() {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  const int p =
+      g.add(S{.name = "p", .role = MemoryRole::kParameter, .bytes = SeqBytes::constant(64)});
+  const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(8, 1)});
+  const int a0 = g.add(S{.name = "a0",
+                         .kind = RematOpKind::kMatmul,
+                         .bytes = SeqBytes::term(16, 1),
+                         .inputs = {x, p},
+                         .layer = "layers.0"});
+  const int b0 =
+      g.add(S{.name = "b0", .bytes = SeqBytes::term(16, 1), .inputs = {a0}, .layer = "layers.0"});
+  const int a1 = g.add(S{.name = "a1",
+                         .kind = RematOpKind::kMatmul,
+                         .bytes = SeqBytes::term(16, 1),
+                         .inputs = {b0, p},
+                         .layer = "layers.1"});
+  const int b1 =
+      g.add(S{.name = "b1", .bytes = SeqBytes::term(16, 1), .inputs = {a1}, .layer = "layers.1"});
+  g.add(S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {b1}, .forward_output = true});
+  const int t = g.add(S{.name = "t",
+                        .role = MemoryRole::kTangent,
+                        .bytes = SeqBytes::constant(4),
+                        .fw = false,
+                        .tangent = true});
+  const int g1 = g.add(S{.name = "g1",
+                         .bytes = SeqBytes::term(16, 1),
+                         .inputs = {t, a1},
+                         .fw = false,
+                         .tangent = true,
+                         .layer = "layers.1"});
+  const int g0 = g.add(S{.name = "g0",
+                         .kind = RematOpKind::kMatmul,
+                         .bytes = SeqBytes::term(16, 1),
+                         .inputs = {g1, p},
+                         .fw = false,
+                         .tangent = true,
+                         .layer = "layers.0"});
+  const int h0 = g.add(S{.name = "h0",
+                         .bytes = SeqBytes::term(16, 1),
+                         .inputs = {g0, a0},
+                         .fw = false,
+                         .tangent = true,
+                         .layer = "layers.0"});
+  g.add(S{.name = "gp",
+          .kind = RematOpKind::kMatmul,
+          .bytes = SeqBytes::constant(64),
+          .inputs = {x, h0, b0},
+          .fw = false,
+          .tangent = true,
+          .gradient = true});
+  return g.graph;
+}
+
+TEST(MemoryFullCheckpoint, SavesOnlyLayerInputsAndRecomputesTheRest) {
+  const MemoryGraph g = two_layers();
+  const auto none = decide_fates(g, 10, fp32_options(RematStrategy::kNone, 16));
+  const auto full = decide_fates(g, 10, fp32_options(RematStrategy::kFullCheckpoint, 16));
+  // a0 (inside layers.0, read by the backward) is saved by policy none, recomputed by full
+  // checkpointing; b0 leaves layers.0 (a1 in layers.1 reads it), so full saves it.
+  EXPECT_EQ(none[2], RematFate::kSaved);
+  EXPECT_EQ(full[2], RematFate::kRecomputed);
+  EXPECT_EQ(full[3], RematFate::kSaved);
+  // a1 is read by the backward and stays inside layers.1: recomputed from b0.
+  EXPECT_EQ(none[4], RematFate::kSaved);
+  EXPECT_EQ(full[4], RematFate::kRecomputed);
+  const MemoryBreakdown bn = simulate_peak_memory(g, 1000, fp32_options(RematStrategy::kNone, 16));
+  const MemoryBreakdown bf =
+      simulate_peak_memory(g, 1000, fp32_options(RematStrategy::kFullCheckpoint, 16));
+  EXPECT_LT(bf.saved_bytes, bn.saved_bytes);
+  EXPECT_EQ(bf.recomputed_count, 2);
+}
+
+TEST(MemoryTrainability, LongestMultipleUnderBudget) {
+  const MemoryGraph g = one_layer();
+  const MemoryOptions o = fp32_options(RematStrategy::kNone, 25);
+  // peak(S) = 308 + 40 * S for S >= 1 (backward), see OneLayerPeakByHand.
+  const Trainability t = longest_trainable_seq(
+      g, o, {.budget_bytes = 308 + 40 * 100, .seq_multiple = 10, .max_seq = 1 << 20});
+  EXPECT_EQ(t.longest_seq, 100);
+  EXPECT_EQ(t.at_longest.peak, 308 + 40 * 100);
+  EXPECT_EQ(t.first_oom.seq_len, 110);
+  EXPECT_FALSE(t.capped);
+  const Trainability t2 = longest_trainable_seq(
+      g, o, {.budget_bytes = 308 + 40 * 100 - 1, .seq_multiple = 10, .max_seq = 1 << 20});
+  EXPECT_EQ(t2.longest_seq, 90);
+  const Trainability capped =
+      longest_trainable_seq(g, o, {.budget_bytes = 1 << 30, .seq_multiple = 10, .max_seq = 1000});
+  EXPECT_EQ(capped.longest_seq, 1000);
+  EXPECT_TRUE(capped.capped);
+  // Above the parameters but below the persistent state: nothing fits, not an error.
+  const Trainability none =
+      longest_trainable_seq(g, o, {.budget_bytes = 200, .seq_multiple = 10, .max_seq = 1000});
+  EXPECT_EQ(none.longest_seq, 0);
+  EXPECT_EQ(none.first_oom.seq_len, 10);
+}
+
+TEST(MemoryTrainability, BudgetBelowParametersIsAnError) {
+  const MemoryGraph g = one_layer();
+  try {
+    longest_trainable_seq(g, fp32_options(RematStrategy::kNone, 25),
+                          {.budget_bytes = 99, .seq_multiple = 10, .max_seq = 1000});
+    FAIL() << "expected invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("budget of 99 bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("below the parameters' own 100 bytes"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(longest_trainable_seq(g, fp32_options(RematStrategy::kNone, 25),
+                                     {.budget_bytes = 1000, .seq_multiple = 0, .max_seq = 10}),
+               std::invalid_argument);
+}
+
+TEST(MemoryGraphChecks, RejectsAliasOfLaterNode) {
+  MemoryGraph g = one_layer();
+  g.nodes[2].alias_of = 5;
+  EXPECT_THROW(simulate_peak_memory(g, 10, fp32_options(RematStrategy::kNone, 25)),
+               std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace autosp

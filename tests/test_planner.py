@@ -1,0 +1,275 @@
+"""The memory model and ``autosp plan``, checked against real CPU runs.
+
+How the real runs are measured (``_run_step``): the tiny Llama is compiled the way
+``autosp.compile`` compiles it (``aot_eager`` backend, so the forward and backward graphs
+run op by op and free each value after its last use, the schedule the model simulates), a
+warm-up step creates the AdamW state, then one training step (``zero_grad(set_to_none=True)``,
+forward, backward, ``AdamW(foreach=True).step()``) runs under ``torch.profiler`` with
+``profile_memory=True``. The profiler records every CPU allocation and free with a
+timestamp; the measured peak is the bytes live before the step (parameters, AdamW state)
+plus the maximum of the running sum of those events. Saved activations are measured with
+``torch.autograd.graph.saved_tensors_hooks``: the distinct storages the compiled forward hands
+to ``ctx.save_for_backward``, parameters excluded.
+
+The SP case (P = 2) runs rank 0 of the group in this process against a fake process group
+(``torch.testing._internal.distributed.fake_pg``): collectives allocate their outputs but do
+not communicate, so the memory is real and the values are not (no loss is checked here).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from autosp import _core, planner
+from autosp.errors import AutospError
+from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=1,
+                   num_heads=4, num_kv_heads=2)
+BATCH = 2
+SEQ = 512  # traced at 16 * P: the prediction is the closed form evaluated at 512
+PEAK_TOLERANCE = 0.10  # the issue's bound; measured error is ~0.3% (see docs/plan.md)
+
+
+def _options(policy: str, traced: planner.TracedStep) -> Any:
+    return planner._core_options(policy, "fp32", traced.num_params, 1)
+
+
+def _run_step(model: torch.nn.Module, compiled: Any, ids: torch.Tensor,
+              labels: torch.Tensor) -> tuple[int, int]:
+    """(saved activation bytes, peak bytes) of the second training step, measured."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = compiled(ids, labels)
+        loss.backward()
+        optimizer.step()
+
+    step()  # compiles, creates the AdamW state
+    saved.clear()
+    live_before = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    live_before += sum(t.untyped_storage().nbytes() for state in optimizer.state.values()
+                       for t in state.values() if isinstance(t, torch.Tensor))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return sum(saved.values()), live_before + peak
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, TINY.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone()
+
+
+@pytest.fixture(scope="module")
+def traced_p1() -> planner.TracedStep:
+    return planner.trace_step(TINY, sp_size=1, dtype="fp32", batch_size=BATCH)
+
+
+@pytest.fixture(scope="module")
+def traced_p2() -> planner.TracedStep:
+    return planner.trace_step(TINY, sp_size=2, dtype="fp32", batch_size=BATCH)
+
+
+@pytest.mark.parametrize("policy", ["default", "sequence-aware"])
+def test_single_device_saved_bytes_exact_and_peak_close(
+    traced_p1: planner.TracedStep, policy: str
+) -> None:
+    from autosp import remat
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TINY)
+    ids, labels = _batch()
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(labels, 1)
+    compiled = torch.compile(model, backend=remat.backend(policy, backend="aot_eager"),
+                             fullgraph=True, dynamic=False)
+    measured_saved, measured_peak = _run_step(model, compiled, ids, labels)
+    predicted = _core.simulate_peak_memory(traced_p1.graph, SEQ, _options(policy, traced_p1))
+    assert predicted.saved_bytes == measured_saved
+    assert abs(predicted.peak - measured_peak) <= PEAK_TOLERANCE * measured_peak, (
+        f"predicted {predicted.peak} vs measured {measured_peak}")
+
+
+def test_ulysses_rank_saved_bytes_exact_and_peak_close(traced_p2: planner.TracedStep) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = autosp.init_mesh(2)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(TINY)
+        ids, labels = _batch()
+        compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware", backend="aot_eager")
+        measured_saved, measured_peak = _run_step(model, compiled, ids, labels)
+    finally:
+        dist.destroy_process_group()
+    predicted = _core.simulate_peak_memory(
+        traced_p2.graph, SEQ, _options("sequence-aware", traced_p2))
+    assert predicted.saved_bytes == measured_saved
+    assert abs(predicted.peak - measured_peak) <= PEAK_TOLERANCE * measured_peak, (
+        f"predicted {predicted.peak} vs measured {measured_peak}")
+    assert predicted.communication >= 0 and predicted.parameters > 0
+
+
+def test_strategies_order_and_sp_shrinks_activations(
+    traced_p1: planner.TracedStep, traced_p2: planner.TracedStep
+) -> None:
+    at = {p: _core.simulate_peak_memory(traced_p1.graph, 4096, _options(p, traced_p1))
+          for p in planner.REMAT_STRATEGIES}
+    assert at["sequence-aware"].saved_bytes < at["default"].saved_bytes < at["none"].saved_bytes
+    # One layer: full checkpointing keeps the layer's input and what lies outside layers
+    # (the head and loss), which a one-layer model is mostly made of.
+    assert at["full"].saved_bytes < at["default"].saved_bytes
+    assert at["full"].recomputed_count > 0
+    sp = _core.simulate_peak_memory(traced_p2.graph, 4096, _options("none", traced_p2))
+    # Every activation with a sequence dim is sharded: the saved set shrinks by about P.
+    assert sp.saved_bytes < 0.6 * at["none"].saved_bytes
+    # The breakdown adds up to the peak.
+    b = at["default"]
+    assert b.peak == (b.parameters + b.gradients + b.optimizer_state + b.saved_activations
+                      + b.transient + b.communication + b.inputs)
+
+
+def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedStep,
+                                    traced_p2: planner.TracedStep) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    result = planner.plan(TINY, gpus=4, sp=2, gpu_memory="64MiB", dtype="fp32",
+                          batch_size=BATCH, seq_multiple=256, plot=png)
+    assert png.stat().st_size > 1000
+    assert result.plot == str(png)
+    assert len(result.strategies) == 8
+    budget = 64 << 20
+    for s in result.strategies:
+        assert s.longest_seq > 0 and s.longest_seq % 256 == 0
+        assert s.at_longest is not None and s.at_longest.peak <= budget
+        assert s.curve and all(peak > 0 for _, peak in s.curve)
+    ulysses = result.strategy("ulysses + none")
+    no_sp = result.strategy("no-sp + none")
+    assert ulysses.longest_seq > no_sp.longest_seq
+    assert ulysses.dp_size == 2 and no_sp.dp_size == 4
+    text = result.table()
+    assert "ulysses + sequence-aware" in text and "longest S" in text
+    assert json.loads(json.dumps(result.to_dict()))["gpus"] == 4
+
+
+def test_cli_plan_with_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 traced_p1: planner.TracedStep,
+                                 traced_p2: planner.TracedStep) -> None:
+    from autosp import cli
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }))
+    assert planner.load_model_config(str(config))[1] == TINY
+    status = cli.main(["plan", "--model", str(config), "--gpus", "2", "--sp", "2",
+                       "--gpu-memory", "64MiB", "--dtype", "fp32", "--batch-size", str(BATCH),
+                       "--seq-multiple", "256", "--strategies", "ulysses+none,no-sp+none",
+                       "--no-plot"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "ulysses + none" in out and "no-sp + none" in out and "prediction" in out
+
+
+def test_presets_have_the_published_parameter_counts() -> None:
+    published = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
+                 "llama-3.1-8b": 8_030_261_248, "llama-2-13b": 13_015_864_320}
+    for name, count in published.items():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(planner.PRESETS[name])
+        assert sum(p.numel() for p in model.parameters()) == count, name
+    assert planner.load_model_config("Llama-3.1-8B")[1] == planner.PRESETS["llama-3.1-8b"]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors a user can hit
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(AutospError, match=r"unknown model 'llama-9b'; expected a preset "
+                                          r"\(llama-3.2-1b, .*\) or a path"):
+        planner.plan("llama-9b")
+
+
+def test_unreadable_config(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "config.json"
+    with pytest.raises(AutospError, match=r"cannot read config .*nope/config.json.*expected a "
+                                          r"readable Hugging Face config.json"):
+        planner.load_model_config(str(missing))
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    with pytest.raises(AutospError, match=r"is not valid JSON"):
+        planner.load_model_config(str(broken))
+    broken.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(AutospError, match=r"lacks vocab_size, intermediate_size, "
+                                          r"num_hidden_layers, num_attention_heads"):
+        planner.load_model_config(str(broken))
+    broken.write_text(json.dumps({"model_type": "t5", "vocab_size": 1, "hidden_size": 1,
+                                  "intermediate_size": 1, "num_hidden_layers": 1,
+                                  "num_attention_heads": 1}))
+    with pytest.raises(AutospError, match=r"model_type 't5'; expected 'llama'"):
+        planner.load_model_config(str(broken))
+
+
+def test_gpus_not_divisible_by_sp() -> None:
+    with pytest.raises(AutospError, match=r"found 6 GPUs not divisible by sp=4; expected "
+                                          r"gpus = dp x sp"):
+        planner.plan("llama-3.2-1b", gpus=6, sp=4)
+
+
+def test_budget_below_parameters(traced_p1: planner.TracedStep) -> None:
+    # The tiny model's fp32 parameters (and its 32-byte RoPE buffer) are 313120 bytes.
+    with pytest.raises(AutospError, match=r"budget of 102400 bytes \(0.10 MiB\) per rank is below "
+                                          r"the parameters' own 313120 bytes \(0.30 MiB\); "
+                                          r"expected a budget above"):
+        planner.plan(TINY, gpus=1, sp=1, gpu_memory="100KiB", dtype="fp32", batch_size=BATCH,
+                     strategies=["no-sp+none"])
+
+
+def test_bad_gpu_memory_and_strategy() -> None:
+    assert planner.parse_bytes("80GB") == 80 << 30
+    assert planner.parse_bytes("1.5 GiB") == 3 << 29
+    assert planner.parse_bytes(4096) == 4096
+    with pytest.raises(AutospError, match=r"found GPU memory '80 parsecs'; expected a positive "
+                                          r"size such as '80GB'"):
+        planner.parse_bytes("80 parsecs")
+    with pytest.raises(AutospError, match=r"unknown strategy 'ring\+none'"):
+        planner.plan(TINY, gpus=2, sp=2, strategies=["ring+none"])
+
+
+def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from autosp import cli
+
+    assert cli.main(["plan", "--model", "llama-9b", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "autosp plan: error: [plan] unknown model 'llama-9b'" in err
