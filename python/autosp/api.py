@@ -56,10 +56,11 @@ def _sp_axis(mesh: DeviceMesh) -> tuple[int, int, str]:
     return mesh.get_local_rank("sp"), mesh.size(names.index("sp")), group.group_name
 
 
-def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str) -> SequenceParallelBackend:
+def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
+                  remat_report: Any = None) -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
-                                   backend=compiler)
+                                   backend=compiler, remat_report=remat_report)
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
@@ -157,7 +158,8 @@ class SequenceParallelModule(nn.Module):
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
-            backend: str = "inductor", average_dp: bool = True) -> SequenceParallelModule:
+            backend: str = "inductor", average_dp: bool = True,
+            remat_report: Any = None) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -165,12 +167,16 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     parameter's ``.grad`` equals the single-device gradient of its SP group's batch,
     averaged over the mesh's "dp" axis when it has more than one group (set
     ``average_dp=False`` when FSDP/DDP already averages over "dp").
+
+    ``remat`` picks what the forward saves for backward (see autosp.remat); pass an
+    ``autosp.remat.RematReport()`` as ``remat_report`` to see, per layer, what was saved and
+    what is recomputed, with bytes and FLOPs (``print(report)``).
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
     if isinstance(remat, str) and remat not in REMAT_POLICIES:
         raise AutospError(f"[autosp:compile] found remat={remat!r}; expected one of {REMAT_POLICIES} "
                           "or an autosp.remat.MemoryBudget.")
-    sp_backend = _make_backend(mesh, seq_dim, remat, backend)
+    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None)

@@ -46,25 +46,12 @@ class CompileRecord:
         raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], *, remat: Any, backend: str) -> Callable:
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], *, remat: Any, backend: str,
+                  report: Any = None) -> Callable:
     """AOTAutograd over ``gm`` with autosp's remat partitioner, then Inductor or eager."""
-    try:
-        from autosp.remat import compile_joint
-    except ImportError:  # the remat solver is not built in this tree
-        compile_joint = None
-    if compile_joint is not None:
-        return compile_joint(gm, example_inputs, policy=remat, backend=backend)
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+    from autosp.remat import compile_joint
 
-        return compile_fx(gm, example_inputs)
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch._aot_autograd.utils import make_boxed_func
-
-    def nop(g: fx.GraphModule, _: Any) -> Callable:
-        return make_boxed_func(g.forward)
-
-    return aot_autograd(fw_compiler=nop, bw_compiler=nop)(gm, example_inputs)
+    return compile_joint(gm, example_inputs, policy=remat, backend=backend, report=report)
 
 
 class SequenceParallelBackend:
@@ -75,7 +62,8 @@ class SequenceParallelBackend:
     """
 
     def __init__(self, *, rank: int, world: int, group: str, seq_dim: int = 1,
-                 remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True) -> None:
+                 remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
+                 remat_report: Any = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -83,6 +71,7 @@ class SequenceParallelBackend:
         self.remat = remat
         self.backend = backend
         self.fuse_qkv = fuse_qkv
+        self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
     @property
@@ -127,4 +116,5 @@ class SequenceParallelBackend:
         rec.example_inputs = list(example_inputs)
         self._dump(rec)
         rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False), time.perf_counter() - t2))
-        return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend)
+        return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend,
+                             report=self.remat_report)
