@@ -57,11 +57,14 @@ _ALIASES = {
     "empty_like": "fill_like", "rand_like": "fill_like", "randn_like": "fill_like",
     "new_zeros": "new_full", "new_ones": "new_full", "new_empty": "new_full",
     "new_tensor": "new_full",
+    # In-place operators (x /= y) compute what their out-of-place forms do.
+    "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "ifloordiv": "floor_divide",
+    "imod": "remainder", "ipow": "pow", "iand": "bitwise_and", "ior": "bitwise_or",
 }
 _CASTS = {"float", "half", "bfloat16", "double", "to", "type_as", "type", "int", "long", "bool"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp",
                "norm", "all", "any", "argmax", "argmin"}
-_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod"}
+_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort"}
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
              "reshape_as", "ravel"}
 _FACTORIES = {"arange", "ones", "zeros", "full", "empty", "rand", "randn", "randint",
@@ -370,6 +373,8 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         return name, _tensor_inputs(node, only=[0]), {"dims": dims, "keepdim": keepdim}
     if name in _ALONG_DIM:
         return name, _tensor_inputs(node, only=[0]), {"dim": _norm(_int(_arg(node, 1, "dim", -1)), xr)}
+    if name == "topk":
+        return name, _tensor_inputs(node, only=[0]), {"dim": _norm(_int(_arg(node, 2, "dim", -1)), xr)}
     if name in ("layer_norm", "rms_norm", "group_norm"):
         shape = _arg(node, 1, "normalized_shape")
         count = len(shape) if isinstance(shape, (tuple, list)) else 1
@@ -498,6 +503,23 @@ def _perm(node: fx.Node, name: str, rank: int) -> list[int]:
     return [o if o >= 0 else next(rest) for o in out]
 
 
+def _dim_size(n: Any, d: int) -> Any:
+    ex = _example(n)
+    return ex.shape[d] if isinstance(ex, torch.Tensor) and d < ex.dim() else None
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes are the same int or the same symbolic expression (compared
+    without adding a guard)."""
+    if a is None or b is None:
+        return False
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return bool(a.node.expr == b.node.expr)
+    return False
+
+
 def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
     x, idx = node.args[0], node.args[1]
     rank = _rank(x)
@@ -522,6 +544,10 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
             continue
         if isinstance(it, slice):
             full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
+            if not full and it.step in (None, 1):
+                # A slice that keeps every element of the dim (x[:, -w:] with S <= w, which
+                # Dynamo guards) takes it whole: its size is the input's.
+                full = _same_size(_dim_size(x, in_dim), _dim_size(node, out_dim))
             if not full:
                 sliced.append(in_dim)
             dim_map.append(out_dim)
