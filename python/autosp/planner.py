@@ -439,9 +439,7 @@ def _memory_graph(
                 if _aliased_arg(n) is None:
                     used = {u.args[1] for u in n.users if u.target is operator.getitem}
                     unused = [v for k, v in enumerate(val) if k not in used]
-                    m.scratch_bytes = _to_seq_bytes(
-                        sum((_tensor_bytes_expr(v, shape_env) for v in unused), 0) + 0 * seq, seq
-                    )
+                    m.scratch_bytes = _to_seq_bytes(_value_bytes_expr(unused, shape_env), seq)
             else:
                 base = _aliased_arg(n)
                 if base is not None and base in index:
