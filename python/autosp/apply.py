@@ -87,6 +87,7 @@ class _Replayer:
                 self.insert(cn)
         self.graph.lint()
         gm = fx.GraphModule(self.gm, self.graph)
+        gm.meta.update(self.gm.meta)  # Dynamo's facts about the inputs (static params, ...)
         gm.recompile()
         return gm
 
