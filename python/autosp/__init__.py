@@ -4,10 +4,13 @@
     model = autosp.compile(model, mesh=mesh)
     loss = model(input_ids, labels)      # the full-length batch on every rank
     loss.backward()                      # exact single-device gradients
+
+    autosp.plan("llama-3.2-1b", gpus=8, gpu_memory="80GB", sp=8)   # predicted memory
 """
 
 from autosp.api import backend, compile, init_mesh
 from autosp.errors import AutospError
+from autosp.planner import plan
 
-__all__ = ["AutospError", "backend", "compile", "init_mesh"]
+__all__ = ["AutospError", "backend", "compile", "init_mesh", "plan"]
 __version__ = "0.1.0"
