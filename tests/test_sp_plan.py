@@ -142,6 +142,22 @@ class GraphBreak(nn.Module):
         return x.sum()
 
 
+class InPlaceOnPositions(nn.Module):
+    """Mutates a replicated value in place between two reads: the slice taken for the
+    first read must not be reused for the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        before = (pos * 2).float().unsqueeze(-1)
+        pos.add_(1)
+        x = self.emb(ids) + before + pos.float().unsqueeze(-1) * 3
+        return x.pow(2).mean()
+
+
 def _line_of(marker: str) -> int:
     with open(__file__) as f:
         for i, line in enumerate(f, start=1):
@@ -154,7 +170,7 @@ def _errors_worker(rank: int, world: int) -> dict[str, str]:
     import autosp
 
     mesh = autosp.init_mesh(world)
-    ids = torch.randint(0, 32, (2, 8))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))  # same on every rank
     out: dict[str, str] = {}
     cases = {
         "attention": (HandWrittenAttention(), (ids,)),
@@ -170,6 +186,13 @@ def _errors_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = f"AutospError: {e}"
         except Exception as e:  # noqa: BLE001 - the test reports what was raised instead
             out[name] = f"{type(e).__name__}: {e}"
+    torch.manual_seed(0)
+    model = InPlaceOnPositions()
+    ref = InPlaceOnPositions()
+    ref.load_state_dict(model.state_dict())
+    ref_loss = ref(ids)
+    loss = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")(ids)
+    out["inplace"] = f"{loss.item():.6f} vs {ref_loss.item():.6f}"
     try:
         autosp.init_mesh(world + 1)
         out["mesh"] = "no error"
@@ -201,6 +224,9 @@ def test_errors_name_pass_op_line_and_numbers() -> None:
     msg = out["graph_break"]
     assert msg.startswith("AutospError: [autosp:capture]"), msg
     assert "graph break" in msg, msg
+
+    got, want = out["inplace"].split(" vs ")
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), out["inplace"]
 
     msg = out["mesh"]
     assert msg.startswith("AutospError: [autosp:init_mesh]"), msg

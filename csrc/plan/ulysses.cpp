@@ -22,7 +22,11 @@ bool is_float(const std::string& dtype) {
 class PlanBuilder {
  public:
   PlanBuilder(const Graph& in, const SpConfig& cfg)
-      : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {}
+      : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {
+    // Hoisting re-runs replicated work later in program order; with in-place ops in the
+    // graph that work could read a tensor mutated in between, so it is not done.
+    for (const Node& n : in.nodes) hoist_ = hoist_ && !n.bool_attr("inplace", false);
+  }
 
   SpPlan run() {
     for (const Node& n : in_.nodes) {
@@ -115,6 +119,7 @@ class PlanBuilder {
   std::map<std::tuple<int, int, int64_t>, int> slice_cache_;
   std::map<int, int> grad_sync_cache_;
   std::map<int, int> reduce_cache_;
+  bool hoist_ = true;
 
   int mapped(int old_id) const { return old_id < 0 ? -1 : vmap_.at(static_cast<size_t>(old_id)); }
   const Value& val(int id) const { return out_.value(id); }
@@ -208,7 +213,7 @@ class PlanBuilder {
   // sharded values (RoPE tables from full-length positions, say) then runs on the local
   // chunk, and no per-rank tensor stays O(S) wide. Returns -1 when it does not apply.
   int hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
-    if (val(v).requires_grad || !placement(v).is_replicate()) return -1;
+    if (!hoist_ || val(v).requires_grad || !placement(v).is_replicate()) return -1;
     const int pi = out_.producer(v);
     if (pi < 0) return -1;
     const Node p = out_.nodes[static_cast<size_t>(pi)];

@@ -85,6 +85,15 @@ class BridgeResult:
     seq_symbols: set = field(default_factory=set)
 
 
+def _is_inplace(node: fx.Node) -> bool:
+    t = node.target
+    if isinstance(t, str):
+        return t.endswith("_") and not t.startswith("_")
+    name = getattr(t, "__name__", "")
+    return getattr(t, "__module__", "") in ("_operator", "operator") and name.startswith("i") and name in (
+        "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior")
+
+
 def _target_name(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, str):
@@ -287,7 +296,12 @@ class _Converter:
         refs = [self.res.value_of[n] for n, _ in _tensor_inputs(node) if n not in used and n in self.res.value_of]
         if refs:
             attrs = dict(attrs, refs=refs)
+        if _is_inplace(node):
+            attrs = dict(attrs, inplace=True)
         self.add_node(node, op, inputs, attrs)
+        if _is_inplace(node) and _is_tensor_node(node.args[0]) and node in self.res.value_of:
+            # x.add_(y): later uses of x read the mutated value, i.e. this node's result.
+            self.res.value_of[node.args[0]] = self.res.value_of[node]
 
 
 def _flatten_args(a: Any, path: ArgPath) -> Iterable[tuple[Any, ArgPath]]:
