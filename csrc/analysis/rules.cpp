@@ -412,7 +412,8 @@ const std::map<std::string, OpRule>& registry() {
     for (const char* op : {"amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "norm",
                            "all", "any", "argmax", "argmin"})
       m[op] = {rule_reduction, PartialBehaviour::Reduce};
-    for (const char* op : {"softmax", "log_softmax", "cumsum", "cumprod", "topk", "sort", "argsort"})
+    for (const char* op :
+         {"softmax", "log_softmax", "cumsum", "cumprod", "topk", "sort", "argsort"})
       m[op] = {rule_along_dim, PartialBehaviour::Reduce};
     m["reshape"] = {rule_reshape, PartialBehaviour::Unary};
     m["expand"] = {rule_expand, PartialBehaviour::Reduce};
