@@ -94,7 +94,10 @@ class SequenceParallelModule(nn.Module):
         self.module = model
         self.sp_backend = sp_backend
         self.seq_dim = seq_dim
-        self._compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
+        # Not registered as a submodule: the parameters and state_dict are the model's,
+        # under "module." as with DistributedDataParallel.
+        object.__setattr__(self, "_compiled",
+                           torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False))
         self._dp_hooks = []
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             # Data parallelism across SP groups: average each gradient over "dp" once it is
