@@ -10,7 +10,15 @@
 
 from autosp.api import backend, compile, init_mesh
 from autosp.errors import AutospError
-from autosp.planner import plan
 
 __all__ = ["AutospError", "backend", "compile", "init_mesh", "plan"]
+
+
+def __getattr__(name: str) -> object:
+    # autosp.plan is imported on first use: the planner is not needed to train.
+    if name == "plan":
+        from autosp.planner import plan
+
+        return plan
+    raise AttributeError(f"module 'autosp' has no attribute {name!r}")
 __version__ = "0.1.0"
