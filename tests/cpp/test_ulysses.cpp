@@ -466,5 +466,30 @@ TEST(UlyssesHoist, CatAlongTheSlicedDimGivenNegative) {
   }
 }
 
+// A replicated chain (positions -> cos) sliced where it meets the sharded activation is
+// recomputed on the local chunk; with an in-place op anywhere in the graph that re-run could
+// read a mutated tensor, so the chain is sliced at its end instead.
+TEST(UlyssesHoist, ReplicatedChainIsHoistedUnlessTheGraphMutates) {
+  for (const bool mutates : {false, true}) {
+    SCOPED_TRACE(mutates ? "with an in-place op" : "pure");
+    GraphBuilder b;
+    const int x = b.input("x", {C(2), S(), C(8)}, "f32", "data");
+    const int pos = b.at(2, "pos = torch.arange(S)").op("arange", {}, {S()}, {}, "i64");
+    const int posf = b.at(3, "posf = pos.float()").op("to", {pos}, {S()});
+    if (mutates) b.at(4, "pos.add_(1)").op("add", {pos}, {S()}, {{"inplace", true}}, "i64");
+    const int col =
+        b.at(5, "col = posf[:, None]")
+            .op("index", {posf}, {S(), C(1)},
+                {{"dim_map", std::vector<int64_t>{0}}, {"sliced_dims", std::vector<int64_t>{}}});
+    const int y = b.at(6, "y = x + col").op("add", {x, col}, {C(2), S(), C(8)});
+    b.output({y});
+    const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2});
+    const auto slices = nodes_with_op(plan, "sp.slice");
+    // x is sharded where it enters; then either arange's output or the chain's end.
+    ASSERT_EQ(slices.size(), 2u);
+    EXPECT_EQ(producer(plan, slices[1]->inputs[0]).op, mutates ? "index" : "arange");
+  }
+}
+
 }  // namespace
 }  // namespace autosp
