@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import math
 import os
 import subprocess
@@ -119,7 +120,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _plan(plan_args: list[str]) -> int:
     try:
-        import autosp.planner as planner
+        # import_module reads sys.modules, whatever the package attribute says.
+        planner = importlib.import_module("autosp.planner")
     except ModuleNotFoundError as exc:
         if exc.name not in ("autosp.planner", "autosp"):
             raise
