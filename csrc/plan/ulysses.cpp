@@ -531,7 +531,8 @@ class PlanBuilder {
       copy_node(n, ins, {Placement::replicate()}, {});
       return;
     }
-    const Value& q = val(ins[0]);
+    // A copy: emit() below appends to the value table, which would leave a reference dangling.
+    const Value q = val(ins[0]);
     if (q.rank() != 4)
       throw PlanError(kPass, n,
                       "query of rank " + std::to_string(q.rank()) + " " + shape_str(q.shape),

@@ -256,6 +256,22 @@ TEST(UlyssesLlama, GqaOneKvHeadP4RepeatsHeads) {
   EXPECT_EQ(a2a[0]->inputs[2], repeats[1]->outputs[0]);
 }
 
+// Regression: emit_sdpa held a reference into the value table across the emits of
+// sp.repeat_heads; when one of them grew the table, the query's sequence dim was read from
+// freed memory (a crash in a 5-layer model). Some layer count in the sweep makes the table
+// grow there; the ASan build of this test catches a dangling read.
+TEST(UlyssesLlama, GqaRepeatHeadsAcrossManyLayers) {
+  for (int layers = 1; layers <= 12; ++layers) {
+    const SpPlan plan = plan_ulysses(llama({.kv_heads = 1, .layers = layers}), {.sp_size = 2});
+    ASSERT_EQ(nodes_with_op(plan, "sp.repeat_heads").size(), 2u * layers);
+    for (const Node* n : nodes_with_op(plan, "sp.all_to_all")) {
+      if (n->inputs.size() != 3u) continue;  // the exchange after attention
+      EXPECT_EQ(n->attrs.at("gather_coef"), (Attr{int64_t{1}})) << layers << " layers";
+      EXPECT_EQ(n->attrs.at("gather_power"), (Attr{int64_t{1}})) << layers << " layers";
+    }
+  }
+}
+
 TEST(UlyssesLlama, GqaKvHeadsDivisibleByPNeedNoRepeat) {
   const SpPlan plan = plan_ulysses(llama({.kv_heads = 2}), {.sp_size = 2});
   EXPECT_TRUE(nodes_with_op(plan, "sp.repeat_heads").empty());
