@@ -201,6 +201,61 @@ def test_cli_plan_with_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "ulysses + none" in out and "no-sp + none" in out and "prediction" in out
 
 
+_BREAKDOWN_FIELDS = ("seq_len", "parameters", "gradients", "optimizer_state", "saved_activations",
+                     "transient", "communication", "inputs", "peak", "phase", "saved_bytes",
+                     "saved_count", "recomputed_count")
+
+
+@pytest.mark.parametrize("sp_size,layers,kv_heads,dtype",
+                         [(1, 4, 2, "fp32"), (2, 5, 1, "bf16")], ids=["p1-gqa-fp32", "p2-kv1-bf16"])
+def test_replicated_layers_predict_like_the_full_trace(sp_size: int, layers: int, kv_heads: int,
+                                                       dtype: str) -> None:
+    """Deep models are traced with 3 layers and the core copies the middle one (what makes
+    ``autosp plan`` take seconds): every prediction must equal the one from tracing every
+    layer, for each strategy at several S, and so must the longest trainable S."""
+    import dataclasses
+
+    config = dataclasses.replace(TINY, num_layers=layers, num_kv_heads=kv_heads)
+    full = planner.trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=BATCH,
+                              replicate=False)
+    built = planner.trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=BATCH)
+    assert built.replicated and built.traced_layers == planner.TRACED_LAYERS
+    assert not full.replicated and full.traced_layers == layers
+    with torch.device("meta"):
+        real_params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert built.num_params == full.num_params == real_params
+    # Node for node the same graph (only the copies' names differ: "<name>#<layer>").
+    assert len(built.graph.nodes) == len(full.graph.nodes)
+    full_labels = _core.label_layers(full.graph)
+    assert sorted(set(full_labels) - {_core.NO_LAYER}) == list(range(layers))
+    for i, (x, y) in enumerate(zip(built.graph.nodes, full.graph.nodes)):
+        where = f"node {i}: {x.facts.name} vs {y.facts.name}"
+        if x.role == _core.MemoryRole.COMPUTE:  # a placeholder's target is its name
+            assert x.facts.target == y.facts.target, where
+        assert (x.facts.layer, x.role, x.alias_of, x.gradient, x.collective,
+                x.forward_output, x.layer) == (
+                    y.facts.layer, y.role, y.alias_of, y.gradient, y.collective,
+                    y.forward_output, full_labels[i]), where
+        assert list(x.facts.users) == sorted(y.facts.users), where
+        for seq in (64, 4096):
+            assert (x.save_bytes.at(seq), x.alloc_bytes.at(seq), x.scratch_bytes.at(seq)) == (
+                y.save_bytes.at(seq), y.alloc_bytes.at(seq), y.scratch_bytes.at(seq)), where
+            assert x.flops.at(seq) == pytest.approx(y.flops.at(seq), rel=1e-12), where
+    for policy in planner.REMAT_STRATEGIES:
+        options = planner._core_options(policy, dtype, full.num_params, 1)
+        for seq in (64, 2048, 65536):
+            want = _core.simulate_peak_memory(full.graph, seq, options)
+            got = _core.simulate_peak_memory(built.graph, seq, options)
+            for name in _BREAKDOWN_FIELDS:
+                assert getattr(got, name) == getattr(want, name), (policy, seq, name)
+        query = _core.TrainabilityQuery()
+        query.budget_bytes = 256 << 20
+        query.seq_multiple = 256
+        longest = [_core.longest_trainable_seq(t.graph, options, query).longest_seq
+                   for t in (full, built)]
+        assert longest[0] == longest[1] > 0, (policy, longest)
+
+
 def test_presets_have_the_published_parameter_counts() -> None:
     published = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
                  "llama-3.1-8b": 8_030_261_248, "llama-2-13b": 13_015_864_320}

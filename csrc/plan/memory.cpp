@@ -97,9 +97,7 @@ const char* to_string(RematStrategy strategy) {
 
 const char* to_string(DtypePolicy dtype) { return dtype == DtypePolicy::kFp32 ? "fp32" : "bf16"; }
 
-namespace {
-
-void validate(const MemoryGraph& graph) {
+void validate_memory_graph(const MemoryGraph& graph) {
   const int32_t n = static_cast<int32_t>(graph.nodes.size());
   for (int32_t i = 0; i < n; ++i) {
     const MemoryNode& node = graph.nodes[i];
@@ -125,6 +123,8 @@ std::vector<std::vector<int32_t>> node_inputs(const MemoryGraph& graph) {
   }
   return inputs;
 }
+
+namespace {
 
 bool is_forward_op(const MemoryNode& node) {
   return node.role == MemoryRole::kCompute && node.facts.required_fw;
@@ -199,7 +199,7 @@ enum Category : int {
 
 std::vector<RematFate> decide_fates(const MemoryGraph& graph, int64_t seq,
                                     const MemoryOptions& options) {
-  validate(graph);
+  validate_memory_graph(graph);
   if (options.strategy == RematStrategy::kFullCheckpoint) return full_checkpoint_fates(graph);
   RematGraph remat;
   remat.nodes.reserve(graph.nodes.size());

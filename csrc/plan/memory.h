@@ -86,6 +86,9 @@ struct MemoryNode {
   bool collective = false;  // its storage is a communication buffer (a collective's output)
   bool gradient = false;    // returned by the backward as a parameter's gradient
   bool forward_output = false;  // returned by the forward to the caller (the loss)
+  // The decoder layer it belongs to (0, 1, ...), kNoLayer (-2) outside layers, or
+  // kLayerUnknown (-1): see plan/layers.h. Only layer replication reads it.
+  int32_t layer = -1;
 
   bool operator==(const MemoryNode&) const = default;
 };
@@ -94,6 +97,13 @@ struct MemoryGraph {
   std::vector<MemoryNode> nodes;
   bool operator==(const MemoryGraph&) const = default;
 };
+
+// Throws std::invalid_argument ("[memory] ...") unless every user and alias index points the
+// right way (users later, aliases earlier) and lies inside the graph.
+void validate_memory_graph(const MemoryGraph& graph);
+
+// The input nodes of every node (the inverse of RematNode::users), in increasing order.
+std::vector<std::vector<int32_t>> node_inputs(const MemoryGraph& graph);
 
 enum class RematStrategy : uint8_t { kNone, kDefault, kSequenceAware, kFullCheckpoint };
 

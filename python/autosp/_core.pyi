@@ -682,6 +682,12 @@ class MemoryNode:
     @forward_output.setter
     def forward_output(self, arg: bool, /) -> None: ...
 
+    @property
+    def layer(self) -> int: ...
+
+    @layer.setter
+    def layer(self, arg: int, /) -> None: ...
+
 class MemoryGraph:
     @overload
     def __init__(self) -> None: ...
@@ -844,6 +850,20 @@ class Trainability:
 
     @property
     def evaluations(self) -> int: ...
+
+LAYER_UNKNOWN: int = -1
+
+NO_LAYER: int = -2
+
+def label_layers(graph: MemoryGraph) -> list[int]:
+    """
+    The decoder layer of every node (NO_LAYER outside layers): the seeds in MemoryNode.layer, completed from inputs and users (see csrc/plan/layers.h).
+    """
+
+def replicate_layers(graph: MemoryGraph, num_layers: int) -> MemoryGraph:
+    """
+    The memory graph of `num_layers` decoder layers from the trace of 3 or more (copies of layer 1 inserted after it). Raises ValueError when the trace does not have that structure.
+    """
 
 def optimizer_state_bytes(config: TrainingConfig) -> int: ...
 

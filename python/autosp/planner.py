@@ -197,6 +197,8 @@ class TracedStep:
     trace_seq: int
     seconds: float
     node_names: list[str] = field(default_factory=list)
+    traced_layers: int = 0  # decoder layers traced
+    replicated: bool = False  # the other layers are copies of a traced one (plan/layers.h)
 
 
 class _Captured(Exception):
@@ -373,8 +375,33 @@ def _fit_flops(values: dict[int, float]) -> Any:
     return _core.SeqFlops(coef, power)
 
 
+_LAYER_PATH = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def _layer_from_path(path: str) -> int:
+    """The decoder layer a module or parameter path lies in: its first numbered component
+    (``layers.3.mlp`` -> 3), or NO_LAYER (``lm_head``)."""
+    from autosp.remat import _MODULE_INDEX
+
+    m = _LAYER_PATH.search(_MODULE_INDEX.sub(r".\1", path))
+    return int(m.group(1)) if m else _core.NO_LAYER
+
+
+def _layer_seed(node: Any) -> int:
+    """The layer of a forward node from its module stack, or of a backward node from the
+    module stack of the forward op it differentiates (AOTAutograd's fwd_nn_module_stack);
+    LAYER_UNKNOWN for ops autosp or AOTAutograd inserted."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return _core.LAYER_UNKNOWN
+    path = str(list(stack.values())[-1][0])
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):]
+    return _layer_from_path(path)
+
+
 def _memory_graph(
-    joint: Any, node_info: Any, num_fwd_outputs: int, shape_env: Any, param_primals: set[int]
+    joint: Any, node_info: Any, num_fwd_outputs: int, shape_env: Any, param_primals: dict[int, str]
 ) -> Any:
     from autosp import remat
 
@@ -397,6 +424,18 @@ def _memory_graph(
     static = set(node_info.static_lifetime_input_nodes)
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
     primal_index = {n: i for i, n in enumerate(primals)}
+    # Layer seeds for replicating layers (csrc/plan/layers.h): parameters and their gradients
+    # by the parameter's name, other ops by their module.
+    layer_seed = {n: _layer_seed(n) for n in nodes}
+    for n in nodes:
+        if n.op == "placeholder":
+            name = param_primals.get(primal_index.get(n, -1))
+            layer_seed[n] = _core.NO_LAYER if name is None else _layer_from_path(name)
+    grad_outs = outs[num_fwd_outputs:]
+    if len(grad_outs) == len(primals):
+        for primal, g in zip(primals, grad_outs):
+            if isinstance(g, torch.fx.Node) and layer_seed.get(g) == _core.LAYER_UNKNOWN:
+                layer_seed[g] = layer_seed[primal]
 
     probe = [1 << 12, 1 << 13, 1 << 14]
     flops_at: dict[int, list[float]] = {}
@@ -456,6 +495,7 @@ def _memory_graph(
         m.gradient = n in grads
         m.forward_output = n in fwd_outputs
         m.facts = f
+        m.layer = layer_seed[n]
         mem_nodes.append(m)
     return _core.MemoryGraph(mem_nodes), [n.name for n in nodes]
 
@@ -505,7 +545,7 @@ def capture_joint(
     """Traces `model(*args)` as autosp.compile would (Ulysses plan for `sp_size` ranks when
     sp_size > 1) up to AOTAutograd's prepared joint graph, and returns
     ``(joint_module, node_info, num_fwd_outputs, shape_env, param_primals)`` (the indices of
-    the primal inputs that are parameters) without compiling or running it.
+    the primal inputs that are parameters, with their names) without compiling or running it.
     Mark the inputs' sequence dim dynamic first."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
@@ -535,8 +575,11 @@ def capture_joint(
         raise _Captured()
 
     def backend(gm: Any, example_inputs: list[Any]) -> Any:
+        names = {id(p): name for name, p in model.named_parameters()}
         captured["param_primals"] = {
-            i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)
+            i: names.get(id(x), "")
+            for i, x in enumerate(example_inputs)
+            if isinstance(x, torch.nn.Parameter)
         }
         if sp_size > 1:
             bridge = fx_to_core(gm, list(example_inputs), 1)
@@ -574,26 +617,68 @@ _TRACE_CACHE: dict[tuple, TracedStep] = {}
 # Core objects must not outlive the extension module at interpreter exit.
 atexit.register(_TRACE_CACHE.clear)
 
+#: Decoder layers traced when a model has more: the rest are copies of the middle one
+#: (csrc/plan/layers.h). Three is the fewest with a layer between two others.
+TRACED_LAYERS = 3
+
 
 def trace_step(
-    config: LlamaConfig, *, sp_size: int, dtype: str = "bf16", batch_size: int = 1
+    config: LlamaConfig,
+    *,
+    sp_size: int,
+    dtype: str = "bf16",
+    batch_size: int = 1,
+    replicate: bool = True,
 ) -> TracedStep:
     """Traces one training step of `config` for one rank of an SP group of `sp_size` on fake
-    tensors (seconds, no memory) and returns its MemoryGraph. Cached per process."""
-    key = (config, sp_size, dtype, batch_size)
+    tensors (no memory) and returns its MemoryGraph. Cached per process.
+
+    With ``replicate`` (the default), a model of more than :data:`TRACED_LAYERS` decoder layers
+    is traced with that many and the core inserts copies of a middle layer up to
+    ``config.num_layers``: the same graph a full trace gives (tests/test_planner.py checks the
+    predictions are equal), in seconds instead of minutes. If the trace does not have the
+    structure replication needs, all layers are traced (``TracedStep.replicated`` says which).
+    """
+    key = (config, sp_size, dtype, batch_size, replicate)
     if key in _TRACE_CACHE:
         return _TRACE_CACHE[key]
+    import dataclasses
+
     import torch
 
     start = time.perf_counter()
+    layers = config.num_layers
+    traced_config = config
+    if replicate and layers > TRACED_LAYERS:
+        traced_config = dataclasses.replace(config, num_layers=TRACED_LAYERS)
     trace_seq = 16 * sp_size
-    model, ids, labels = _build_fake_model(config, dtype, batch_size, trace_seq)
+    model, ids, labels = _build_fake_model(traced_config, dtype, batch_size, trace_seq)
     torch._dynamo.mark_dynamic(ids, 1)
     torch._dynamo.mark_dynamic(labels, 1)
     captured = capture_joint(model, (ids, labels), sp_size=sp_size)
     graph, names = _memory_graph(*captured)
     num_params = sum(p.numel() for p in model.parameters())
-    traced = TracedStep(graph, num_params, sp_size, trace_seq, time.perf_counter() - start, names)
+    fallback = None
+    if traced_config is not config:
+        per_layer = sum(p.numel() for p in model.layers[1].parameters())
+        num_params += (layers - TRACED_LAYERS) * per_layer
+        try:
+            graph = _core.replicate_layers(graph, layers)
+            names = [n.facts.name for n in graph.nodes]
+        except ValueError as e:
+            fallback = str(e)
+    if fallback is not None:
+        import warnings
+
+        warnings.warn(
+            f"autosp plan: {fallback}; tracing all {layers} layers instead (slower)", stacklevel=2
+        )
+        traced = trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=batch_size,
+                            replicate=False)
+    else:
+        traced = TracedStep(graph, num_params, sp_size, trace_seq, time.perf_counter() - start,
+                            names, traced_layers=traced_config.num_layers,
+                            replicated=traced_config is not config)
     _TRACE_CACHE[key] = traced
     return traced
 

@@ -7,6 +7,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "plan/layers.h"
+
 namespace nb = nanobind;
 using namespace nb::literals;
 
@@ -67,7 +69,8 @@ void init_memory(nb::module_& m) {
       .def_rw("alias_of", &MemoryNode::alias_of)
       .def_rw("collective", &MemoryNode::collective)
       .def_rw("gradient", &MemoryNode::gradient)
-      .def_rw("forward_output", &MemoryNode::forward_output);
+      .def_rw("forward_output", &MemoryNode::forward_output)
+      .def_rw("layer", &MemoryNode::layer);
 
   nb::class_<MemoryGraph>(m, "MemoryGraph")
       .def(nb::init<>())
@@ -131,6 +134,21 @@ void init_memory(nb::module_& m) {
       .def_ro("capped", &Trainability::capped)
       .def_ro("evaluations", &Trainability::evaluations);
 
+  m.attr("LAYER_UNKNOWN") = kLayerUnknown;
+  m.attr("NO_LAYER") = kNoLayer;
+  m.def("label_layers", &label_layers, "graph"_a,
+        "The decoder layer of every node (NO_LAYER outside layers): the seeds in "
+        "MemoryNode.layer, completed from inputs and users (see csrc/plan/layers.h).");
+  m.def(
+      "replicate_layers",
+      [](const MemoryGraph& g, int32_t num_layers) {
+        nb::gil_scoped_release release;
+        return replicate_layers(g, num_layers);
+      },
+      "graph"_a, "num_layers"_a,
+      "The memory graph of `num_layers` decoder layers from the trace of 3 or more (copies of "
+      "layer 1 inserted after it). Raises ValueError when the trace does not have that "
+      "structure.");
   m.def("optimizer_state_bytes", &optimizer_state_bytes, "config"_a);
   m.def("optimizer_workspace_bytes", &optimizer_workspace_bytes, "config"_a);
   m.def(
