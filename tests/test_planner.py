@@ -256,6 +256,27 @@ def test_replicated_layers_predict_like_the_full_trace(sp_size: int, layers: int
         assert longest[0] == longest[1] > 0, (policy, longest)
 
 
+def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    config = dataclasses.replace(TINY, num_layers=4)  # the full trace is cached by the test above
+    key = (config, 1, "fp32", BATCH, True)
+    planner._TRACE_CACHE.pop(key, None)
+
+    def refuse(graph: Any, num_layers: int) -> Any:
+        raise ValueError("[memory] cannot replicate layers: layer 1 reads 2 values of layer 0")
+
+    monkeypatch.setattr(_core, "replicate_layers", refuse)
+    try:
+        with pytest.warns(UserWarning, match=r"cannot replicate layers: layer 1 reads 2 values of "
+                                             r"layer 0; tracing all 4 layers instead"):
+            traced = planner.trace_step(config, sp_size=1, dtype="fp32", batch_size=BATCH)
+    finally:
+        planner._TRACE_CACHE.pop(key, None)
+    assert not traced.replicated and traced.traced_layers == 4
+    assert sorted(set(_core.label_layers(traced.graph)) - {_core.NO_LAYER}) == [0, 1, 2, 3]
+
+
 def test_presets_have_the_published_parameter_counts() -> None:
     published = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
                  "llama-3.1-8b": 8_030_261_248, "llama-2-13b": 13_015_864_320}
