@@ -9,7 +9,10 @@ Dynamo -> the bridge -> ``plan_ulysses`` -> the plan applied to the FX graph (co
 traced against a fake process group of size P) -> AOTAutograd's joint forward+backward graph.
 Every value of that joint graph has a shape symbolic in S, so its bytes per rank are a closed
 form ``sum(coef * S^power / shard)``; the remat solver's facts (bytes, FLOPs, forward/backward
-membership) are gathered exactly as autosp's partition function gathers them. The C++ core
+membership) are gathered exactly as autosp's partition function gathers them. A model deeper
+than three decoder layers is traced with three and the core builds the rest
+(``csrc/plan/layers.h``: copies of the middle layer, node for node what a full trace gives),
+so planning takes seconds whatever the depth. The C++ core
 (``csrc/plan/memory.h``) then evaluates that graph at any S: it decides the saved set with the
 remat solver for the strategy, walks the schedule's liveness, and returns the peak with its
 breakdown; the longest trainable S is a search in the core. See docs/plan.md for the model's
