@@ -277,6 +277,22 @@ def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.Monk
     assert sorted(set(_core.label_layers(traced.graph)) - {_core.NO_LAYER}) == [0, 1, 2, 3]
 
 
+def test_fake_group_survives_destroy_process_group() -> None:
+    """A training script that tears down torch.distributed and then plans: destroy unregisters
+    every named group, the planner's fake one included, and the next trace must not fail."""
+    import torch._C._distributed_c10d as c10d
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    name = planner._fake_sp_group(3)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    dist.destroy_process_group()
+    assert planner._fake_sp_group(3) == name
+    assert c10d._resolve_process_group(name).size() == 3
+
+
 def test_presets_have_the_published_parameter_counts() -> None:
     published = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
                  "llama-3.1-8b": 8_030_261_248, "llama-2-13b": 13_015_864_320}

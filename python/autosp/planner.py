@@ -216,11 +216,17 @@ def _fake_sp_group(world: int) -> str:
     """The name of a registered fake process group of `world` ranks (this process is rank 0):
     functional collectives trace against it, and it never communicates. It is registered by
     name only, so an initialised torch.distributed (or none) is left alone."""
-    if world in _FAKE_GROUPS:
-        return _FAKE_GROUPS[world][0]
     import torch
     import torch.distributed as dist
     import torch._C._distributed_c10d as c10d
+
+    if world in _FAKE_GROUPS:
+        # dist.destroy_process_group() unregisters every named group, this one included.
+        try:
+            c10d._resolve_process_group(_FAKE_GROUPS[world][0])
+            return _FAKE_GROUPS[world][0]
+        except RuntimeError:
+            del _FAKE_GROUPS[world]
 
     name = f"autosp-plan-fake-sp{world}"
     backend = c10d.FakeProcessGroup._create_internal(0, world)
