@@ -55,10 +55,12 @@ def _collectives_worker(rank: int, world: int, layers: int) -> dict[str, Any]:
     for node in rec.graph_module.graph.nodes:
         if node.op == "call_function" and node.target in names:
             fx_counts[names[node.target]] = fx_counts.get(names[node.target], 0) + 1
-    n_params = sum(1 for _ in model.parameters())
+    from autosp.bridge import module_path
+
+    params = [name for name, _ in model.named_parameters()]
     synced = [n for n in rec.graph_module.graph.nodes if n.target is collectives.grad_sync_many]
-    n_synced = len(synced[0].args[0]) if synced else 0
-    return {"plan": rec.collective_counts, "fx": fx_counts, "n_params": n_params, "n_synced": n_synced,
+    buckets = [[module_path(a) for a in n.args[0]] for n in synced]
+    return {"plan": rec.collective_counts, "fx": fx_counts, "params": params, "buckets": buckets,
             "shapes": recorder.seen, "heads": (cfg.num_heads, cfg.num_kv_heads)}
 
 
@@ -69,13 +71,18 @@ def test_collectives_and_local_activations() -> None:
         # One fused q/k/v exchange into each attention and one back out of it.
         expected = {
             "sp.all_to_all": 2 * layers,
-            "sp.grad_sync": 1,  # every parameter meets the sharded sequence: one bucket
+            "sp.grad_sync": layers + 1,  # one gradient bucket per layer, one for the rest
             "sp.reduce_partial": 1,  # the loss
             "sp.count_valid": 1,  # the global number of valid labels
         }
         assert r["plan"] == expected
         assert r["fx"] == expected
-        assert r["n_synced"] == r["n_params"]
+        # Every parameter is synced once, in its layer's bucket; the parameters outside layers
+        # (embedding, final norm, head) share the first bucket (the embedding is used first).
+        assert sorted(p for b in r["buckets"] for p in b) == sorted(r["params"])
+        assert r["buckets"][0] == ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+        for k, bucket in enumerate(r["buckets"][1:]):
+            assert bucket == [p for p in r["params"] if p.startswith(f"layers.{k}.")], bucket
         # Per rank, no floating-point tensor is full-length in S, except attention's own
         # inputs/outputs after the exchange, which hold H/P heads over the whole sequence.
         local_heads = {h // world for h in r["heads"]}

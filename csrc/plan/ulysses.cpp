@@ -1,6 +1,7 @@
 #include "plan/ulysses.h"
 
 #include <algorithm>
+#include <cctype>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -46,35 +47,47 @@ class PlanBuilder {
     return SpPlan{std::move(out_), std::move(place_)};
   }
 
-  // Merges the grad syncs of graph inputs (parameters) into one node placed right after
-  // the inputs, so their gradients are summed over the group in one all-reduce.
-  void bucket_grad_syncs() {
-    std::vector<int> input_valued(out_.values.size(), 0);
-    size_t last_input = 0;
-    for (size_t i = 0; i < out_.nodes.size(); ++i) {
-      if (out_.nodes[i].op != "input") continue;
-      last_input = i;
-      for (int o : out_.nodes[i].outputs) input_valued[static_cast<size_t>(o)] = 1;
+  // "layers.3.mlp.up.weight" -> "layers.3"; "" when no component is a number.
+  static std::string bucket_of(const std::string& path) {
+    size_t begin = 0;
+    while (begin <= path.size()) {
+      const size_t dot = std::min(path.find('.', begin), path.size());
+      const std::string part = path.substr(begin, dot - begin);
+      if (!part.empty() && std::all_of(part.begin(), part.end(),
+                                       [](unsigned char c) { return std::isdigit(c) != 0; }))
+        return path.substr(0, dot);
+      begin = dot + 1;
     }
-    Node merged;
-    merged.op = "sp.grad_sync";
-    merged.target = "sp.grad_sync";
+    return "";
+  }
+
+  // Merges the grad syncs of graph inputs (parameters) into one node per layer (see
+  // SpConfig::bucket_grad_sync), each where the first of its syncs was.
+  void bucket_grad_syncs() {
+    std::map<int, std::string> bucket_of_value;  // input-valued value -> bucket
+    for (const Node& n : out_.nodes) {
+      if (n.op != "input") continue;
+      for (int o : n.outputs) bucket_of_value[o] = bucket_of(n.str_attr("path", ""));
+    }
+    std::map<std::string, size_t> merged_at;  // bucket -> index in `kept`
     std::vector<Node> kept;
     for (Node& n : out_.nodes) {
-      if (n.op == "sp.grad_sync" && n.inputs.size() == 1 &&
-          input_valued[static_cast<size_t>(n.inputs[0])]) {
-        merged.inputs.push_back(n.inputs[0]);
-        merged.outputs.push_back(n.outputs[0]);
+      auto bucket = n.op == "sp.grad_sync" && n.inputs.size() == 1
+                        ? bucket_of_value.find(n.inputs[0])
+                        : bucket_of_value.end();
+      if (bucket == bucket_of_value.end()) {
+        kept.push_back(std::move(n));
         continue;
       }
-      kept.push_back(std::move(n));
-    }
-    if (!merged.inputs.empty()) {
-      // Every input node precedes the first non-input node it could be merged before.
-      size_t pos = 0;
-      for (size_t i = 0; i < kept.size() && i <= last_input; ++i)
-        if (kept[i].op == "input") pos = i + 1;
-      kept.insert(kept.begin() + static_cast<std::ptrdiff_t>(pos), std::move(merged));
+      auto [at, fresh] = merged_at.try_emplace(bucket->second, kept.size());
+      if (fresh) {
+        Node merged;
+        merged.op = "sp.grad_sync";
+        merged.target = "sp.grad_sync";
+        kept.push_back(std::move(merged));
+      }
+      kept[at->second].inputs.push_back(n.inputs[0]);
+      kept[at->second].outputs.push_back(n.outputs[0]);
     }
     for (size_t i = 0; i < kept.size(); ++i) kept[i].id = static_cast<int>(i);
     out_.nodes = std::move(kept);

@@ -7,7 +7,8 @@
 //   sp.slice(x) {dim, inner, outer}      keep this rank's 1/P chunk of the sequence factor
 //                                        of `dim` (or of a static dim such as heads)
 //   sp.grad_sync(x...)                   identity forward; all-reduce(sum) of the gradient
-//                                        (several operands: one bucketed all-reduce)
+//                                        (several operands: one bucketed all-reduce, one
+//                                        per layer; see SpConfig::bucket_grad_sync)
 //   sp.reduce_partial(x)                 all-reduce(sum) forward; identity backward
 //   sp.all_gather(x) {dim, inner}        gather the sequence (backward: keep the local chunk)
 //   sp.all_to_all(x...) {scatter_dim, gather_dim, gather_coef, gather_power}
@@ -39,8 +40,13 @@ namespace autosp {
 struct SpConfig {
   int64_t sp_size = 1;
   bool fuse_qkv = true;  // one all-to-all for q, k and v
-  // One sp.grad_sync for all graph inputs (parameters): a single bucketed all-reduce of
-  // their gradients instead of one per parameter.
+  // Parameters' grad syncs bucketed: one sp.grad_sync (one all-reduce of the flattened
+  // gradients) per layer instead of one per parameter. A parameter's layer is the prefix of
+  // its input's "path" attribute up to the first numbered component ("layers.3.mlp.up.weight"
+  // -> "layers.3"); parameters without one ("embed.weight", "norm.weight") share one bucket.
+  // Each bucket sits where its first parameter is first used, so in the backward it
+  // all-reduces as soon as that layer's gradients are complete, and only one layer's
+  // flattened gradients are in flight at a time.
   bool bucket_grad_sync = true;
 };
 

@@ -120,6 +120,25 @@ def _target_text(node: fx.Node) -> str:
     return f"{mod}.{name}" if mod else name
 
 
+_SOURCE_KEY = re.compile(r"""\[['"]?([^'"\]]+)['"]?\]""")
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path of a parameter or buffer placeholder in the user's module, from Dynamo's
+    source: ``L['self']._modules['layers']._modules['3']._parameters['weight']`` ->
+    ``layers.3.weight``; "" when Dynamo recorded no source."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return ""
+    name = source.name
+    name = name() if callable(name) else str(name)
+    if name.startswith("L['self']"):
+        name = name[len("L['self']"):]
+    name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
+    name = _SOURCE_KEY.sub(r".\1", name)
+    return ".".join(part for part in name.split(".") if part)
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
 
 
@@ -277,7 +296,11 @@ class _Converter:
                 role = "param"
             if not isinstance(ex, torch.Tensor):
                 role = "symbol"
-            self.add_node(node, "input", [], {"role": role, "name": node.name})
+            attrs = {"role": role, "name": node.name}
+            if role == "param":
+                # The core buckets gradient all-reduces by layer (SpConfig.bucket_grad_sync).
+                attrs["path"] = module_path(node)
+            self.add_node(node, "input", [], attrs)
             return
         if node.op == "output":
             inputs = []

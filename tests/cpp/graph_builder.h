@@ -7,7 +7,8 @@
 //   b.output({x});
 //   print_graph(b.graph) ==
 //     "%0: i64[2, S] = input() {name=\"ids\", role=\"data\"}  # model.py:1\n"
-//     "%1: f32[128, 64] = input() {grad, name=\"embed.weight\", role=\"param\"}  # model.py:2\n"
+//     "%1: f32[128, 64] = input() {grad, name=\"embed.weight\", path=\"embed.weight\", "
+//     "role=\"param\"}  # model.py:2\n"
 //     "%2: f32[2, S, 64] = embedding(%0, %1) {grad}  # model.py:30\n"
 //     "() = output(%2)  # model.py:31\n"
 //
@@ -68,7 +69,9 @@ class GraphBuilder {
     v.shape = std::move(shape);
     v.dtype = dtype;
     v.requires_grad = requires_grad;
-    return add("input", {}, {std::move(v)}, {{"name", name}, {"role", role}})[0];
+    Attrs attrs{{"name", name}, {"role", role}};
+    if (role == "param") attrs["path"] = name;  // the module path the bridge passes
+    return add("input", {}, {std::move(v)}, std::move(attrs))[0];
   }
   int param(const std::string& name, std::vector<Dim> shape, const std::string& dtype = "f32") {
     return input(name, std::move(shape), dtype, "param", /*requires_grad=*/true);

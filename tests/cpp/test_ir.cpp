@@ -186,8 +186,8 @@ TEST(GraphBuilder, HeaderExample) {
   b.output({x});
   EXPECT_EQ(print_graph(b.graph),
             "%0: i64[2, S] = input() {name=\"ids\", role=\"data\"}  # model.py:1\n"
-            "%1: f32[128, 64] = input() {grad, name=\"embed.weight\", role=\"param\"}  # "
-            "model.py:2\n"
+            "%1: f32[128, 64] = input() {grad, name=\"embed.weight\", path=\"embed.weight\", "
+            "role=\"param\"}  # model.py:2\n"
             "%2: f32[2, S, 64] = embedding(%0, %1) {grad}  # model.py:30\n"
             "() = output(%2)  # model.py:31\n");
   EXPECT_EQ(b.graph.nodes[2].loc,

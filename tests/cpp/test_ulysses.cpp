@@ -210,9 +210,10 @@ TEST(UlyssesLlama, MhaP2) {
   const SpPlan plan = plan_ulysses(g, cfg);
   EXPECT_GOLDEN("ulysses_llama_mha_p2", golden_text(g, cfg, plan));
 
+  // Gradients bucketed per layer: one sync for layers.0, one for embed, norm and head.
   EXPECT_EQ(plan.collective_counts(), (std::map<std::string, int>{{"sp.all_to_all", 2},
                                                                   {"sp.count_valid", 1},
-                                                                  {"sp.grad_sync", 1},
+                                                                  {"sp.grad_sync", 2},
                                                                   {"sp.reduce_partial", 1}}));
   // One fused exchange in, one out.
   const auto a2a = nodes_with_op(plan, "sp.all_to_all");
@@ -300,14 +301,35 @@ TEST(UlyssesLlama, TwoLayersCollectiveCounts) {
                                                                   {"sp.count_valid", 1},
                                                                   {"sp.grad_sync", 13},
                                                                   {"sp.reduce_partial", 1}}));
-  // Bucketed (the default): one sync for all 13 parameters, placed right after the inputs.
+  // Bucketed (the default): one sync per layer (5 parameters each) and one for the embedding,
+  // final norm and head, each placed where its first parameter is first used: the bucket of
+  // the parameters outside layers before the embedding, each layer's before its first op.
   const SpPlan bucketed = plan_ulysses(llama({.layers = 2}), {.sp_size = 2});
-  const auto syncs = nodes_with_op(bucketed, "sp.grad_sync");
-  ASSERT_EQ(syncs.size(), 1u);
-  EXPECT_EQ(syncs[0]->inputs.size(), 13u);
-  size_t first_non_input = 0;
-  while (bucketed.graph.nodes[first_non_input].op == "input") ++first_non_input;
-  EXPECT_EQ(bucketed.graph.nodes[first_non_input].op, "sp.grad_sync");
+  std::vector<std::string> order;  // grad syncs and the ops reading their first output
+  for (const Node& n : bucketed.graph.nodes) {
+    if (n.op == "sp.grad_sync") {
+      std::string paths;
+      for (int v : n.inputs) {
+        const Node& p = producer(bucketed, v);
+        paths += (paths.empty() ? "" : " ") + std::get<std::string>(p.attrs.at("path"));
+      }
+      order.push_back(paths);
+    }
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{
+                       "embed.weight norm.weight lm_head.weight",
+                       "layers.0.attn_norm.weight layers.0.wq.weight layers.0.wk.weight "
+                       "layers.0.wv.weight layers.0.wo.weight",
+                       "layers.1.attn_norm.weight layers.1.wq.weight layers.1.wk.weight "
+                       "layers.1.wv.weight layers.1.wo.weight"}));
+  for (const Node* sync : nodes_with_op(bucketed, "sp.grad_sync")) {
+    // Right before the first op that reads one of its outputs.
+    const Node& next = bucketed.graph.nodes[static_cast<size_t>(sync->id) + 1];
+    bool reads = false;
+    for (int v : next.inputs)
+      for (int o : sync->outputs) reads = reads || v == o;
+    EXPECT_TRUE(reads) << next.op;
+  }
   // The RoPE tables are sliced once and shared by every layer.
   EXPECT_EQ(nodes_with_op(plan, "sp.slice").size(), 4u);  // ids, cos, sin, targets
 }
