@@ -162,8 +162,8 @@ def bench_solver(num_layers: int, seq: int, repeat: int) -> None:
     t_torch_solve, _ = _best_of(
         lambda: partitioners.solve_min_cut(prepared.graph, node_info, options), repeat
     )
-    nodes, facts = remat._gather_facts(prepared.graph, node_info)
-    t_facts, _ = _best_of(lambda: remat._gather_facts(prepared.graph, node_info), repeat)
+    nodes, facts = remat.gather_facts(prepared.graph, node_info)
+    t_facts, _ = _best_of(lambda: remat.gather_facts(prepared.graph, node_info), repeat)
     core_options = remat._core_options("default", remat.DEFAULT_RECOMPUTE_FLOPS_RATIO)
     t_core, solution = _best_of(lambda: _core.solve_remat(facts, core_options), repeat)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import json
 import math
 import operator
@@ -36,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -349,27 +348,17 @@ def _aliased_arg(node: Any) -> Any:
     return None
 
 
-@contextlib.contextmanager
-def _flops_at(seq_value: int, seq_symbol: Any, shape_env: Any) -> Iterator[None]:
-    """Makes autosp.remat's FLOP formulas evaluate shapes at S = seq_value instead of the
-    trace's hint, so the same formulas the partitioner uses give FLOPs at any S."""
+def _size_at(seq_value: int, seq_symbol: Any, shape_env: Any) -> Any:
+    """A size function for remat.node_flops that evaluates symbolic sizes at S = seq_value
+    instead of the trace's hint, so the partitioner's own FLOP formulas give FLOPs at any S."""
     import torch
 
-    from autosp import remat
-
-    original = remat._hint
-
-    def hint_at(x: Any) -> int:
+    def size(x: Any) -> int:
         if isinstance(x, torch.SymInt):
-            expr = _canonical(x, shape_env)
-            return int(expr.subs(seq_symbol, seq_value))
+            return int(_canonical(x, shape_env).subs(seq_symbol, seq_value))
         return int(x)
 
-    remat._hint = hint_at
-    try:
-        yield
-    finally:
-        remat._hint = original
+    return size
 
 
 def _fit_flops(values: dict[int, float]) -> Any:
@@ -414,7 +403,7 @@ def _memory_graph(
 ) -> Any:
     from autosp import remat
 
-    nodes, facts = remat._gather_facts(joint.graph, node_info)
+    nodes, facts = remat.gather_facts(joint.graph, node_info)
     index = {n: i for i, n in enumerate(nodes)}
     seqs = _seq_symbols(joint, shape_env)
     if len(seqs) != 1:
@@ -449,8 +438,8 @@ def _memory_graph(
     probe = [1 << 12, 1 << 13, 1 << 14]
     flops_at: dict[int, list[float]] = {}
     for s in probe:
-        with _flops_at(s, seq, shape_env):
-            flops_at[s] = [remat._node_flops(n, f.kind, f.target) for n, f in zip(nodes, facts)]
+        size = _size_at(s, seq, shape_env)
+        flops_at[s] = [remat.node_flops(n, f.kind, f.target, size) for n, f in zip(nodes, facts)]
 
     mem_nodes = []
     for i, (n, f) in enumerate(zip(nodes, facts)):

@@ -65,9 +65,12 @@ __all__ = [
     "MemoryBudget",
     "RematPolicy",
     "RematReport",
+    "SizeFn",
     "backend",
     "compile_joint",
+    "gather_facts",
     "make_partition_fn",
+    "node_flops",
 ]
 
 #: Sequence-aware policy: matmuls may be recomputed while their total forward FLOPs stay
@@ -277,15 +280,19 @@ def _hint(x: Any) -> int:
     return int(x)
 
 
-def _hinted_meta(x: Any) -> Any:
-    """A meta tensor with the concrete (hinted) shape of a fake tensor, so FLOP formulas
-    evaluate at the real sequence length without adding guards."""
+#: Concrete value of a (possibly symbolic) size: the trace's hint by default.
+SizeFn = Callable[[Any], int]
+
+
+def _hinted_meta(x: Any, size: SizeFn = _hint) -> Any:
+    """A meta tensor with the concrete shape of a fake tensor (each size through `size`), so
+    FLOP formulas evaluate at a real sequence length without adding guards."""
     if isinstance(x, torch.Tensor):
-        return torch.empty([_hint(s) for s in x.shape], dtype=x.dtype, device="meta")
+        return torch.empty([size(s) for s in x.shape], dtype=x.dtype, device="meta")
     return x
 
 
-def _attention_flops(node: fx.Node, name: str) -> float:
+def _attention_flops(node: fx.Node, name: str, size: SizeFn = _hint) -> float:
     """4*b*h*Sq*Sk*d for the forward (QK^T and PV), 10*b*h*Sq*Sk*d for the backward (five
     matmuls), the convention of torch.utils.flop_counter's SDPA formulas."""
     tensors = [
@@ -297,12 +304,15 @@ def _attention_flops(node: fx.Node, name: str) -> float:
     q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
     if q.dim() != 4 or k.dim() != 4:
         return 0.0
-    b, h, sq, d = (_hint(s) for s in q.shape)
-    sk = _hint(k.shape[-2])
+    b, h, sq, d = (size(s) for s in q.shape)
+    sk = size(k.shape[-2])
     return float((10 if backward else 4) * b * h * sq * sk * d)
 
 
-def _node_flops(node: fx.Node, kind: Any, name: str) -> float:
+def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> float:
+    """FLOPs of one joint-graph node (PyTorch's FLOP formulas; attention by its own formula),
+    with symbolic sizes evaluated by `size` (default: the trace's hint). The planner passes a
+    `size` that evaluates S at another length."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     from torch.utils._pytree import tree_map
@@ -311,14 +321,14 @@ def _node_flops(node: fx.Node, kind: Any, name: str) -> float:
     formula = flop_registry.get(node.target.overloadpacket)
     if formula is None:
         if kind == _core.RematOpKind.ATTENTION:
-            return _attention_flops(node, name)
+            return _attention_flops(node, name, size)
         return 0.0
 
     def value(a: Any) -> Any:
-        return _hinted_meta(a.meta.get("val")) if isinstance(a, fx.Node) else a
+        return _hinted_meta(a.meta.get("val"), size) if isinstance(a, fx.Node) else a
 
     args, kwargs = tree_map(value, (node.args, node.kwargs))
-    out = tree_map(_hinted_meta, node.meta.get("val"))
+    out = tree_map(lambda x: _hinted_meta(x, size), node.meta.get("val"))
     try:
         return float(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that does not accept this overload's arguments
@@ -420,7 +430,10 @@ def _layer_of(node: fx.Node) -> str:
     return parts[0] if parts else ""
 
 
-def _gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
+def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
+    """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
+    graph, in graph order, with sizes and FLOPs at the trace's hint; the planner builds its
+    memory graph from the same facts."""
     partitioners = _partitioners()
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.utils import _is_fwd_seed_offset, _is_primal
@@ -443,7 +456,7 @@ def _gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node],
         f.kind = kind
         f.save_cost = _save_cost(node)
         f.bytes = _node_bytes(node)
-        f.flops = _node_flops(node, kind, name)
+        f.flops = node_flops(node, kind, name)
         f.required_fw = node_info.is_required_fw(node)
         f.required_bw = node in node_info.required_bw_nodes
         f.tangents_closure = node in node_info.tangents_closure
@@ -528,7 +541,7 @@ def _partition(
             static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
         )
 
-    nodes, facts = _gather_facts(joint_graph, node_info)
+    nodes, facts = gather_facts(joint_graph, node_info)
     start = time.perf_counter()
     try:
         solution = _core.solve_remat(facts, options)
