@@ -38,5 +38,8 @@ def test_bad_arguments() -> None:
         autosp.compile(_model(), mesh=None, backend="tvm")  # type: ignore[arg-type]
     with pytest.raises(autosp.AutospError, match=r"found remat='sometimes'"):
         autosp.compile(_model(), mesh=None, remat="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(autosp.AutospError, match=r"found outputs='gathered'; expected one of "
+                                                 r"\('full', 'local'\)"):
+        autosp.compile(_model(), mesh=None, outputs="gathered")  # type: ignore[arg-type]
     with pytest.raises(autosp.AutospError, match=r"\[autosp:init_mesh\] found torch.distributed not initialised"):
         autosp.init_mesh(2)

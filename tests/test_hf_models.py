@@ -172,3 +172,52 @@ def test_hf_models_world4() -> None:
     specs = [QWEN2]
     results = run_ranks(world_size, _hf_worker, specs, 32, timeout=RANK_TIMEOUT_S)
     _check(results, world_size, specs)
+
+
+def _outputs_worker(rank: int, world_size: int, seq_len: int) -> dict[str, Any]:
+    import autosp
+
+    mesh = autosp.init_mesh(world_size)
+    spec = HFModel("llama-gqa-1-layer", "Llama",
+                   {**_COMMON, "num_hidden_layers": 1, "num_key_value_heads": 2})
+    chunk = seq_len // world_size
+    out: dict[str, Any] = {}
+    for mode in ("full", "local"):
+        torch._dynamo.reset()
+        model = _build(spec)
+        ref_model = copy.deepcopy(model)
+        compiled = autosp.compile(model, mesh=mesh, remat="none", backend="aot_eager",
+                                  outputs=mode)
+        input_ids, labels = make_batch(VOCAB, BATCH_SIZE, seq_len, BATCH_SEEDS[0])
+        ref = ref_model(input_ids=input_ids, labels=labels)
+        ref.loss.backward()
+        got = compiled(input_ids=input_ids, labels=labels)
+        got.loss.backward()
+        want = ref.logits if mode == "full" else ref.logits[:, rank * chunk:(rank + 1) * chunk]
+        out[mode] = {
+            "loss": got.loss.item(), "ref_loss": ref.loss.item(),
+            "grads": grads_of(model), "ref_grads": grads_of(ref_model),
+            "logits_shape": tuple(got.logits.shape), "want_shape": tuple(want.shape),
+            "logits_err": (got.logits.detach() - want.detach()).abs().max().item(),
+            "gathers": compiled.last_compile.collective_counts.get("sp.all_gather", 0),
+        }
+    return out
+
+
+def test_outputs_local_returns_this_ranks_chunk() -> None:
+    """``outputs="local"``: the loss and gradients stay exact, the logits are this rank's chunk
+    of the single-device logits and nothing is all-gathered; the default ``"full"`` returns
+    the single-device logits (and KV cache) gathered to full length."""
+    world_size, seq_len = 2, 16
+    results = run_ranks(world_size, _outputs_worker, seq_len, timeout=RANK_TIMEOUT_S)
+    for rank, r in enumerate(results):
+        for mode in ("full", "local"):
+            m = r[mode]
+            where = f"rank {rank} outputs={mode}"
+            assert abs(m["loss"] - m["ref_loss"]) <= LOSS_ATOL, where
+            assert_grads_close(m["grads"], m["ref_grads"], rtol=GRAD_RTOL, context=where)
+            assert m["logits_shape"] == m["want_shape"], where
+            assert m["logits_err"] <= 1e-5, f"{where}: logits differ by {m['logits_err']:.2e}"
+        assert r["full"]["logits_shape"] == (BATCH_SIZE, seq_len, VOCAB)
+        assert r["local"]["logits_shape"] == (BATCH_SIZE, seq_len // world_size, VOCAB)
+        assert r["full"]["gathers"] >= 1 and r["local"]["gathers"] == 0

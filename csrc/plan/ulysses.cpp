@@ -334,7 +334,7 @@ class PlanBuilder {
       int v = mapped(old);
       Placement p = placement(v);
       if (p.is_partial()) v = reduce_partial(v, n.loc);
-      if (p.is_shard())
+      if (p.is_shard() && cfg_.gather_outputs)
         v = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
                  {{val(v), Placement::replicate()}}, n.loc)[0];
       ins.push_back(v);

@@ -48,6 +48,11 @@ struct SpConfig {
   // all-reduces as soon as that layer's gradients are complete, and only one layer's
   // flattened gradients are in flight at a time.
   bool bucket_grad_sync = true;
+  // Graph outputs sharded along the sequence (logits, hidden states, KV caches) are
+  // all-gathered so that each rank returns what the single-device model returns. With false
+  // they stay this rank's chunk (the loss and other replicated outputs are unchanged), which
+  // saves the gather and the full-length copy when only the loss is used.
+  bool gather_outputs = true;
 };
 
 struct SpPlan {

@@ -13,6 +13,7 @@ from autosp.backend import BACKENDS, SequenceParallelBackend
 from autosp.errors import AutospError
 
 REMAT_POLICIES = ("none", "default", "sequence-aware")
+OUTPUTS = ("full", "local")
 
 
 def init_mesh(sp_size: int, dp_size: int | None = None, device_type: str | None = None) -> DeviceMesh:
@@ -56,19 +57,28 @@ def _sp_axis(mesh: DeviceMesh) -> tuple[int, int, str]:
     return mesh.get_local_rank("sp"), mesh.size(names.index("sp")), group.group_name
 
 
+def _check_outputs(outputs: str) -> None:
+    if outputs not in OUTPUTS:
+        raise AutospError(f"[autosp:compile] found outputs={outputs!r}; expected one of {OUTPUTS}: "
+                          "'full' returns what the single-device model returns, 'local' this "
+                          "rank's chunk of outputs sharded along the sequence.")
+
+
 def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
-                  remat_report: Any = None) -> SequenceParallelBackend:
+                  remat_report: Any = None, outputs: str = "full") -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
-                                   backend=compiler, remat_report=remat_report)
+                                   backend=compiler, remat_report=remat_report,
+                                   gather_outputs=outputs == "full")
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
-            backend: str = "inductor") -> SequenceParallelBackend:
+            backend: str = "inductor", outputs: str = "full") -> SequenceParallelBackend:
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
-    (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``)."""
-    return _make_backend(mesh, seq_dim, remat, backend)
+    (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`."""
+    _check_outputs(outputs)
+    return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs)
 
 
 def _logging_functions() -> set:
@@ -162,7 +172,7 @@ class SequenceParallelModule(nn.Module):
 
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", average_dp: bool = True,
-            remat_report: Any = None) -> SequenceParallelModule:
+            remat_report: Any = None, outputs: str = "full") -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -174,12 +184,21 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     ``remat`` picks what the forward saves for backward (see autosp.remat); pass an
     ``autosp.remat.RematReport()`` as ``remat_report`` to see, per layer, what was saved and
     what is recomputed, with bytes and FLOPs (``print(report)``).
+
+    ``outputs``: ``"full"`` (default) returns exactly what the single-device model returns, so
+    outputs sharded along the sequence (logits, hidden states, a KV cache) are all-gathered to
+    full length on every rank. ``"local"`` returns this rank's chunk of those instead (its
+    ``S/P`` tokens: positions ``r*S/P`` to ``(r+1)*S/P - 1`` of each sequence on rank r); the loss
+    and other replicated outputs are unchanged. Use it when training needs only the loss: a
+    model that returns ``[B, S, vocab]`` logits otherwise materialises them at full length on
+    every rank, which defeats sequence parallelism's memory savings.
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
     if isinstance(remat, str) and remat not in REMAT_POLICIES:
         raise AutospError(f"[autosp:compile] found remat={remat!r}; expected one of {REMAT_POLICIES} "
                           "or an autosp.remat.MemoryBudget.")
-    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report)
+    _check_outputs(outputs)
+    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None)

@@ -63,7 +63,7 @@ class SequenceParallelBackend:
 
     def __init__(self, *, rank: int, world: int, group: str, seq_dim: int = 1,
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
-                 remat_report: Any = None) -> None:
+                 remat_report: Any = None, gather_outputs: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -71,6 +71,7 @@ class SequenceParallelBackend:
         self.remat = remat
         self.backend = backend
         self.fuse_qkv = fuse_qkv
+        self.gather_outputs = gather_outputs
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
@@ -104,6 +105,7 @@ class SequenceParallelBackend:
         cfg = _core.SpConfig()
         cfg.sp_size = self.ctx.world
         cfg.fuse_qkv = self.fuse_qkv
+        cfg.gather_outputs = self.gather_outputs
         try:
             plan = _core.plan_ulysses(bridge.graph, cfg)
         except _core.PlanError as e:

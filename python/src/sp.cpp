@@ -38,7 +38,8 @@ void init_sp(nb::module_& m) {
       .def(nb::init<>())
       .def_rw("sp_size", &SpConfig::sp_size)
       .def_rw("fuse_qkv", &SpConfig::fuse_qkv)
-      .def_rw("bucket_grad_sync", &SpConfig::bucket_grad_sync);
+      .def_rw("bucket_grad_sync", &SpConfig::bucket_grad_sync)
+      .def_rw("gather_outputs", &SpConfig::gather_outputs);
 
   nb::class_<SpPlan>(m, "SpPlan")
       .def_ro("graph", &SpPlan::graph)

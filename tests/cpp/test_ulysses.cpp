@@ -479,6 +479,22 @@ TEST(UlyssesOutputs, ShardedOutputIsGathered) {
   EXPECT_EQ(plan.graph.nodes[1].origin, -1);
 }
 
+// gather_outputs = false: sharded outputs stay this rank's chunk; a partial (the loss) is
+// still reduced.
+TEST(UlyssesOutputs, LocalOutputsStaySharded) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int y = b.at(3).op("silu", {x}, {C(2), S(), C(8)});
+  const int loss = b.at(4).op("sum", {y}, {});
+  b.at(5).output({loss, y});
+  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 4, .gather_outputs = false});
+  EXPECT_EQ(plan.collective_counts(), (std::map<std::string, int>{{"sp.reduce_partial", 1}}));
+  const Node& out = plan.graph.nodes.back();
+  ASSERT_EQ(out.op, "output");
+  EXPECT_EQ(plan.placements[static_cast<size_t>(out.inputs[0])], Placement::replicate());
+  EXPECT_EQ(plan.placements[static_cast<size_t>(out.inputs[1])], Placement::shard(1));
+}
+
 // A replicated operand built by cat along the dim the plan must slice cannot be sliced by
 // slicing the cat's operands: the slice has to be taken on the cat's result. cat's dim may be
 // given negative (rule_cat normalises it), so the plan must normalise it too.
