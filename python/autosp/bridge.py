@@ -121,22 +121,27 @@ def _target_text(node: fx.Node) -> str:
 
 
 _SOURCE_KEY = re.compile(r"""\[['"]?([^'"\]]+)['"]?\]""")
+_SOURCE_ROOT = re.compile(r"""^[LG]\[['"]?\w+['"]?\]""")
+
+
+def dotted_path(name: str) -> str:
+    """A Dynamo source or module-stack path as a dotted path in the user's module:
+    ``L['self']._modules['layers']._modules['3']._parameters['weight']`` -> ``layers.3.weight``,
+    ``L['self'].layers[3].self_attn`` -> ``layers.3.self_attn``."""
+    name = _SOURCE_ROOT.sub("", name)
+    name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
+    name = _SOURCE_KEY.sub(r".\1", name)
+    return ".".join(part for part in name.split(".") if part)
 
 
 def module_path(node: fx.Node) -> str:
     """The dotted path of a parameter or buffer placeholder in the user's module, from Dynamo's
-    source: ``L['self']._modules['layers']._modules['3']._parameters['weight']`` ->
-    ``layers.3.weight``; "" when Dynamo recorded no source."""
+    source (see dotted_path); "" when Dynamo recorded no source."""
     source = getattr(node.meta.get("grapharg"), "source", None)
     if source is None:
         return ""
     name = source.name
-    name = name() if callable(name) else str(name)
-    if name.startswith("L['self']"):
-        name = name[len("L['self']"):]
-    name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
-    name = _SOURCE_KEY.sub(r".\1", name)
-    return ".".join(part for part in name.split(".") if part)
+    return dotted_path(name() if callable(name) else str(name))
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')

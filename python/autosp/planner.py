@@ -33,7 +33,7 @@ import operator
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -198,7 +198,6 @@ class TracedStep:
     sp_size: int
     trace_seq: int
     seconds: float
-    node_names: list[str] = field(default_factory=list)
     traced_layers: int = 0  # decoder layers traced
     replicated: bool = False  # the other layers are copies of a traced one (plan/layers.h)
 
@@ -373,29 +372,25 @@ def _fit_flops(values: dict[int, float]) -> Any:
     return _core.SeqFlops(coef, power)
 
 
-_LAYER_PATH = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+def _layer_index(path: str) -> int:
+    """The decoder layer a dotted module or parameter path lies in (``layers.3.mlp`` -> 3),
+    or NO_LAYER (``lm_head``)."""
+    from autosp.remat import layer_of_path
 
-
-def _layer_from_path(path: str) -> int:
-    """The decoder layer a module or parameter path lies in: its first numbered component
-    (``layers.3.mlp`` -> 3), or NO_LAYER (``lm_head``)."""
-    from autosp.remat import _MODULE_INDEX
-
-    m = _LAYER_PATH.search(_MODULE_INDEX.sub(r".\1", path))
-    return int(m.group(1)) if m else _core.NO_LAYER
+    last = layer_of_path(path).rpartition(".")[2]
+    return int(last) if last.isdigit() else _core.NO_LAYER
 
 
 def _layer_seed(node: Any) -> int:
     """The layer of a forward node from its module stack, or of a backward node from the
     module stack of the forward op it differentiates (AOTAutograd's fwd_nn_module_stack);
     LAYER_UNKNOWN for ops autosp or AOTAutograd inserted."""
+    from autosp.bridge import dotted_path
+
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return _core.LAYER_UNKNOWN
-    path = str(list(stack.values())[-1][0])
-    if path.startswith("L['self']"):
-        path = path[len("L['self']"):]
-    return _layer_from_path(path)
+    return _layer_index(dotted_path(str(list(stack.values())[-1][0])))
 
 
 def _memory_graph(
@@ -428,7 +423,7 @@ def _memory_graph(
     for n in nodes:
         if n.op == "placeholder":
             name = param_primals.get(primal_index.get(n, -1))
-            layer_seed[n] = _core.NO_LAYER if name is None else _layer_from_path(name)
+            layer_seed[n] = _core.NO_LAYER if name is None else _layer_index(name)
     grad_outs = outs[num_fwd_outputs:]
     if len(grad_outs) == len(primals):
         for primal, g in zip(primals, grad_outs):
@@ -495,7 +490,7 @@ def _memory_graph(
         m.facts = f
         m.layer = layer_seed[n]
         mem_nodes.append(m)
-    return _core.MemoryGraph(mem_nodes), [n.name for n in nodes]
+    return _core.MemoryGraph(mem_nodes)
 
 
 class _RotaryInDtype(torch.nn.Module):
@@ -654,7 +649,7 @@ def trace_step(
     torch._dynamo.mark_dynamic(ids, 1)
     torch._dynamo.mark_dynamic(labels, 1)
     captured = capture_joint(model, (ids, labels), sp_size=sp_size)
-    graph, names = _memory_graph(*captured)
+    graph = _memory_graph(*captured)
     num_params = sum(p.numel() for p in model.parameters())
     fallback = None
     if traced_config is not config:
@@ -662,7 +657,6 @@ def trace_step(
         num_params += (layers - TRACED_LAYERS) * per_layer
         try:
             graph = _core.replicate_layers(graph, layers)
-            names = [n.facts.name for n in graph.nodes]
         except ValueError as e:
             fallback = str(e)
     if fallback is not None:
@@ -675,7 +669,7 @@ def trace_step(
                             replicate=False)
     else:
         traced = TracedStep(graph, num_params, sp_size, trace_seq, time.perf_counter() - start,
-                            names, traced_layers=traced_config.num_layers,
+                            traced_layers=traced_config.num_layers,
                             replicated=traced_config is not config)
     _TRACE_CACHE[key] = traced
     return traced

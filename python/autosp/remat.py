@@ -411,23 +411,24 @@ def _node_bytes(node: fx.Node) -> int:
     return tensor_bytes(val)
 
 
-_MODULE_INDEX = re.compile(r"\[['\"]?(\w+)['\"]?\]")
-
-
-def _layer_of(node: fx.Node) -> str:
-    """Module path of the node's layer: the path up to the first numbered component
-    ("layers.3"), else the top-level module ("lm_head"), else ""."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])  # e.g. "L['self'].layers[3].self_attn"
-    parts = [p for p in _MODULE_INDEX.sub(r".\1", path).split(".") if p]
-    if parts and parts[0] == "L":
-        parts = parts[2:]  # "L" and the root module's local name ("self")
+def layer_of_path(path: str) -> str:
+    """The layer of a dotted module or parameter path: the path up to its first numbered
+    component ("layers.3.mlp" -> "layers.3"), else its top-level module ("lm_head"), else ""."""
+    parts = [p for p in path.split(".") if p]
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return parts[0] if parts else ""
+
+
+def _layer_of(node: fx.Node) -> str:
+    """layer_of_path of the node's module (its nn_module_stack), or "" without one."""
+    from autosp.bridge import dotted_path
+
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return layer_of_path(dotted_path(str(list(stack.values())[-1][0])))
 
 
 def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:

@@ -11,6 +11,7 @@
 #include "analysis/placement.h"
 #include "analysis/rules.h"
 #include "graph_builder.h"
+#include "plan_error.h"
 
 namespace autosp {
 namespace {
@@ -66,20 +67,6 @@ Outcome run_rule(const GraphBuilder& b, int out, std::vector<Placement> in, int6
   if (!rule) throw std::logic_error("no rule for " + n.op);
   RuleResult r = rule->fn(RuleInput{b.graph, n, std::move(in), sp});
   return {r.out, r.operands, r.attr_updates, r.expansion};
-}
-
-// The message of the PlanError that `fn` throws ("" and a test failure if it throws none).
-std::string plan_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const PlanError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a PlanError, got another exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected a PlanError, nothing was thrown";
-  return "";
 }
 
 std::string rule_error(const GraphBuilder& b, int out, std::vector<Placement> in) {

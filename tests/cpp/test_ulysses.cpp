@@ -15,6 +15,7 @@
 #include "golden.h"
 #include "graph_builder.h"
 #include "plan/ulysses.h"
+#include "plan_error.h"
 
 namespace autosp {
 namespace {
@@ -167,19 +168,6 @@ Graph llama(LlamaSpec spec) { return Llama(spec).build(); }
 std::string golden_text(const Graph& g, const SpConfig& cfg, const SpPlan& plan) {
   return "# input\n" + print_graph(g) + "\n# plan_ulysses sp_size=" + std::to_string(cfg.sp_size) +
          " fuse_qkv=" + (cfg.fuse_qkv ? "true" : "false") + "\n" + plan.str();
-}
-
-std::string plan_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const PlanError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a PlanError, got another exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected a PlanError, nothing was thrown";
-  return "";
 }
 
 // The plan's nodes with op `op`, in order.
