@@ -91,13 +91,18 @@ def reduce_partial(x: torch.Tensor, group: str) -> torch.Tensor:
 
 def local_chunk(x: torch.Tensor, dim: int, outer: int, inner: int, rank: int, world: int) -> torch.Tensor:
     """This rank's 1/world chunk of the factor of ``dim`` that lies between ``outer`` and
-    ``inner`` (the sequence factor of a possibly merged dim)."""
+    ``inner`` (the sequence factor of a possibly merged dim).
+
+    The chunk is contiguous: a narrowed view keeps the full tensor's strides, and a later
+    ``view`` (``targets.view(-1)``), ``view(dtype)`` or in-place op that is valid on the
+    single-device value must stay valid on this rank's chunk. A contiguous tensor admits
+    every view of its shape."""
     if outer == 1 and inner == 1:
         n = x.size(dim) // world
-        return x.narrow(dim, rank * n, n)
+        return x.narrow(dim, rank * n, n).contiguous()
     t = x.unflatten(dim, (outer, -1, inner))
     n = t.size(dim + 1) // world
-    return t.narrow(dim + 1, rank * n, n).flatten(dim, dim + 2)
+    return t.narrow(dim + 1, rank * n, n).flatten(dim, dim + 2).contiguous()
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -108,7 +113,7 @@ class _AllGatherSeq(torch.autograd.Function):
         t = x.unflatten(dim, (outer, -1, inner))  # [.., outer, n, inner, ..]
         g = _wait(funcol.all_gather_tensor(t.unsqueeze(0).contiguous(), 0, group))  # [world, .., outer, n, inner, ..]
         g = g.movedim(0, dim + 1)  # [.., outer, world, n, inner, ..]
-        return g.flatten(dim, dim + 3)
+        return g.flatten(dim, dim + 3).contiguous()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
@@ -141,7 +146,8 @@ def _exchange(xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, gro
         t = piece.reshape((world,) + tuple(shape))  # [world(src), ...local...]
         # Place the source-rank dim right before the gather dim and merge them.
         t = t.movedim(0, gather_dim)
-        results.append(t.flatten(gather_dim, gather_dim + 1))
+        # Contiguous, as the single-device value it stands for (see local_chunk).
+        results.append(t.flatten(gather_dim, gather_dim + 1).contiguous())
     return results
 
 
