@@ -169,6 +169,36 @@ RuleResult rule_expand(const RuleInput& r) {
   return res;
 }
 
+// repeat_interleave(x, k, dim): out[.., i*k + j, ..] = x[.., i, ..]. Along another dim the
+// shard passes through. Along the sharded dim each rank repeats its own chunk: the chunks of
+// the output are the repeats of the input's chunks, and the sequence factor gets k more
+// elements to its right (inner * k).
+RuleResult rule_repeat_interleave(const RuleInput& r) {
+  for (size_t i = 1; i < r.in.size(); ++i)
+    if (!r.in[i].is_replicate())
+      conflict(r, describe_input(r, i) + " used as the repeat counts", "replicated repeat counts");
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Placement p = r.in[0];
+  if (!r.node.has_attr("dim"))
+    conflict(r, describe_input(r, 0) + " flattened by repeat_interleave without a dim",
+             "repeat_interleave(..., dim=d) on a sequence-sharded tensor");
+  const int d = norm_dim(r.node.int_attr("dim", 0), input_value(r, 0).rank());
+  if (d != p.dim) return keep_all(r, {p});
+  if (!r.node.has_attr("repeats"))
+    conflict(r, describe_input(r, 0) + " repeated along its sharded sequence dim by a tensor",
+             "an int repeat count along the sequence dim");
+  return keep_all(r, {Placement::shard(d, p.inner * r.node.int_attr("repeats", 1))});
+}
+
+// repeat(x, *sizes) tiles x: each rank tiles its own chunk, and a sharded dim keeps its
+// placement (the tiles become outer factors of the dim), shifted by the leading dims repeat
+// adds.
+RuleResult rule_repeat(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const int offset = output_value(r, 0).rank() - input_value(r, 0).rank();
+  return keep_all(r, {Placement::shard(r.in[0].dim + offset, r.in[0].inner)});
+}
+
 RuleResult rule_permute(const RuleInput& r) {
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
   const auto perm = r.node.ints_attr("perm");
@@ -397,15 +427,9 @@ const std::map<std::string, OpRule>& registry() {
     for (const char* op : {"mul", "div"}) m[op] = {rule_elementwise, PartialBehaviour::Scale};
     for (const char* op : {"neg", "to", "contiguous", "clone"})
       m[op] = {rule_elementwise, PartialBehaviour::Unary};
-    for (const char* op :
-         {"pow",         "rsqrt",      "sqrt",        "exp",         "exp2",        "log",
-          "log1p",       "silu",       "gelu",        "relu",        "tanh",        "sigmoid",
-          "cos",         "sin",        "abs",         "where",       "masked_fill", "clamp",
-          "eq",          "ne",         "lt",          "le",          "gt",          "ge",
-          "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or",  "maximum",
-          "minimum",     "dropout",    "fill_like",   "erf",         "reciprocal",  "floor_divide",
-          "remainder",   "softplus",   "square",      "sign",        "mish",        "leaky_relu",
-          "elu",         "hardtanh",   "detach",      "isnan",       "nan_to_num"})
+    // Elementwise ops PyTorch does not tag pointwise (every tagged one arrives with the
+    // node attribute "pointwise" and takes the pointwise rule, see rule_for).
+    for (const char* op : {"dropout", "fill_like", "detach"})
       m[op] = {rule_elementwise, PartialBehaviour::Reduce};
     m["sum"] = {rule_reduction, PartialBehaviour::Unary};
     m["mean"] = {rule_reduction, PartialBehaviour::Unary};
@@ -418,6 +442,8 @@ const std::map<std::string, OpRule>& registry() {
     m["reshape"] = {rule_reshape, PartialBehaviour::Unary};
     m["expand"] = {rule_expand, PartialBehaviour::Reduce};
     m["permute"] = {rule_permute, PartialBehaviour::Unary};
+    m["repeat_interleave"] = {rule_repeat_interleave, PartialBehaviour::Unary};
+    m["repeat"] = {rule_repeat, PartialBehaviour::Unary};
     m["alias"] = {rule_identity, PartialBehaviour::Unary};
     m["index"] = {rule_index, PartialBehaviour::Reduce};
     m["cat"] = {rule_cat, PartialBehaviour::Reduce};
@@ -446,6 +472,12 @@ const OpRule* find_rule(const std::string& op) {
   const auto& m = registry();
   auto it = m.find(op);
   return it == m.end() ? nullptr : &it->second;
+}
+
+const OpRule* rule_for(const Node& n) {
+  static const OpRule pointwise{rule_elementwise, PartialBehaviour::Reduce};
+  if (const OpRule* rule = find_rule(n.op)) return rule;
+  return n.bool_attr("pointwise", false) ? &pointwise : nullptr;
 }
 
 std::vector<std::string> registered_ops() {

@@ -60,8 +60,14 @@ struct OpRule {
   PartialBehaviour partial = PartialBehaviour::Reduce;
 };
 
-// The rule for a canonical op, or nullptr when none is registered.
+// The rule registered for a canonical op, or nullptr when none is.
 const OpRule* find_rule(const std::string& op);
+
+// The rule for a node: its op's registered rule, else the elementwise rule when the node is
+// marked pointwise (attribute "pointwise", set by the bridge from torch.Tag.pointwise: the
+// pointwise set is PyTorch's, not a list kept here), else nullptr.
+//   {op="expm1", attrs={pointwise=true}} -> the elementwise rule; {op="expm1"} -> nullptr.
+const OpRule* rule_for(const Node& n);
 
 // The ops with a registered rule, sorted (for documentation and tests).
 std::vector<std::string> registered_ops();

@@ -242,11 +242,12 @@ class PlanBuilder {
       req[i] = std::make_pair(k, inner);
       return true;
     };
-    const OpRule* rule = find_rule(p.op);
-    const bool elementwise = rule != nullptr && p.op != "dropout" && p.op != "layer_norm" &&
-                             (p.op == "to" || p.op == "where" || p.op == "masked_fill" ||
-                              p.op == "contiguous" || p.op == "clone" || p.op == "alias" ||
-                              rule->partial != PartialBehaviour::Reduce || is_pointwise(p.op));
+    const OpRule* rule = rule_for(p);
+    const bool elementwise =
+        rule != nullptr && p.op != "dropout" && p.op != "layer_norm" &&
+        (p.op == "to" || p.op == "where" || p.op == "masked_fill" || p.op == "contiguous" ||
+         p.op == "clone" || p.op == "alias" || rule->partial != PartialBehaviour::Reduce ||
+         p.bool_attr("pointwise", false));
     for (size_t i = 0; i < p.inputs.size(); ++i) {
       if (p.inputs[i] < 0) continue;
       if (!placement(p.inputs[i]).is_replicate() || val(p.inputs[i]).requires_grad) return -1;
@@ -293,17 +294,6 @@ class PlanBuilder {
     const int id = c.outputs[0];
     out_.add_node(std::move(c));
     return id;
-  }
-
-  static bool is_pointwise(const std::string& op) {
-    static const std::set<std::string> ops = {
-        "pow",         "rsqrt",        "sqrt",       "exp",     "exp2",        "log",
-        "log1p",       "silu",         "gelu",       "relu",    "tanh",        "sigmoid",
-        "cos",         "sin",          "abs",        "clamp",   "eq",          "ne",
-        "lt",          "le",           "gt",         "ge",      "logical_and", "logical_or",
-        "logical_not", "bitwise_and",  "bitwise_or", "maximum", "minimum",     "erf",
-        "reciprocal",  "floor_divide", "remainder",  "square",  "sign",        "detach"};
-    return ops.count(op) != 0;
   }
 
   int reduce_partial(int v, const SourceLoc& loc) {
@@ -410,7 +400,7 @@ class PlanBuilder {
 
   void emit_generic(const Node& n) {
     std::vector<int> ins = mapped_inputs(n);
-    const OpRule* rule = find_rule(n.op);
+    const OpRule* rule = rule_for(n);
     if (rule && partial_passes(*rule, n, ins)) {
       std::vector<Placement> outs(n.outputs.size(), Placement::partial());
       std::vector<OperandChange> keep(ins.size(), OperandChange::keep());

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from autosp import _core
 from autosp.errors import AutospError
+from autosp.ops import is_pointwise
 
 ArgPath = tuple  # ("args", i) | ("args", i, j) | ("kwargs", name) | ("kwargs", name, j)
 
@@ -38,14 +39,6 @@ _DTYPES = {
     torch.complex64: "c64",
 }
 
-_ELEMENTWISE = {
-    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "exp2", "log", "log1p",
-    "silu", "gelu", "relu", "tanh", "sigmoid", "cos", "sin", "abs", "where", "masked_fill",
-    "clamp", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
-    "bitwise_and", "bitwise_or", "maximum", "minimum", "dropout", "erf", "reciprocal",
-    "floor_divide", "remainder", "softplus", "square", "sign", "mish", "leaky_relu", "elu",
-    "hardtanh", "detach", "isnan", "nan_to_num", "rsub", "contiguous", "clone",
-}
 _ALIASES = {
     "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "clip": "clamp",
     "and_": "bitwise_and", "or_": "bitwise_or", "invert": "logical_not", "multiply": "mul",
@@ -326,6 +319,8 @@ class _Converter:
             attrs = dict(attrs, refs=refs)
         if _is_inplace(node):
             attrs = dict(attrs, inplace=True)
+        if is_pointwise(op):
+            attrs = dict(attrs, pointwise=True)  # the core's elementwise rule takes it
         self.add_node(node, op, inputs, attrs)
         if _is_inplace(node) and _is_tensor_node(node.args[0]) and node in self.res.value_of:
             # x.add_(y): later uses of x read the mutated value, i.e. this node's result.
@@ -453,6 +448,20 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name == "pad":
         pad = _arg(node, 1, "pad")
         return "pad", _tensor_inputs(node, only=[0]), {"pad": [_int(p) if not isinstance(p, fx.Node) else 1 for p in pad]}
+    if name == "repeat_interleave":
+        repeats = _arg(node, 1, "repeats")
+        dim = _arg(node, 2, "dim")
+        attrs = {} if dim is None else {"dim": _norm(_int(dim), xr)}
+        if not _is_tensor_node(repeats):
+            attrs["repeats"] = _int(repeats)
+        return name, _tensor_inputs(node, only=[0, 1], kw=["repeats"]), attrs
+    if name in ("repeat", "tile"):
+        reps = list(node.args[1:])
+        if len(reps) == 1 and isinstance(reps[0], (tuple, list)):
+            reps = list(reps[0])
+        if not reps:
+            reps = list(node.kwargs.get("repeats", node.kwargs.get("dims", ())))
+        return "repeat", _tensor_inputs(node, only=[0]), {"repeats": [_int(r) for r in reps]}
     if name in ("tril", "triu"):
         return name, _tensor_inputs(node, only=[0]), {}
     if name == "linear":
@@ -502,8 +511,6 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         return ("new_full" if name == "new_full" else name), [], {}
     if name in ("fill_like",):
         return "fill_like", _tensor_inputs(node, only=[0]), {}
-    if name in _ELEMENTWISE:
-        return name, _tensor_inputs(node), {}
     return name, _tensor_inputs(node), {}
 
 

@@ -60,10 +60,10 @@ void PrintTo(const Outcome& o, std::ostream* os) {
   *os << "}, expansion=\"" << o.expansion << "\"}";
 }
 
-// Runs the registered rule of the node producing `out`, with the given operand placements.
+// Runs the rule of the node producing `out` (rule_for), with the given operand placements.
 Outcome run_rule(const GraphBuilder& b, int out, std::vector<Placement> in, int64_t sp = 2) {
   const Node& n = b.graph.nodes.at(static_cast<size_t>(b.graph.producer(out)));
-  const OpRule* rule = find_rule(n.op);
+  const OpRule* rule = rule_for(n);
   if (!rule) throw std::logic_error("no rule for " + n.op);
   RuleResult r = rule->fn(RuleInput{b.graph, n, std::move(in), sp});
   return {r.out, r.operands, r.attr_updates, r.expansion};
@@ -118,8 +118,20 @@ TEST(Registry, FindRule) {
   EXPECT_EQ(find_rule("neg")->partial, PartialBehaviour::Unary);
   EXPECT_EQ(find_rule("sum")->partial, PartialBehaviour::Unary);
   EXPECT_EQ(find_rule("reshape")->partial, PartialBehaviour::Unary);
-  EXPECT_EQ(find_rule("exp")->partial, PartialBehaviour::Reduce);
   EXPECT_EQ(find_rule("amax")->partial, PartialBehaviour::Reduce);
+}
+
+// The pointwise set is torch's (the bridge marks nodes from torch.Tag.pointwise): any op so
+// marked takes the elementwise rule, and no pointwise name is registered in the core.
+TEST(Registry, PointwiseNodesTakeTheElementwiseRule) {
+  Node expm1{.op = "expm1", .attrs = {{"pointwise", true}}};
+  ASSERT_NE(rule_for(expm1), nullptr);
+  EXPECT_EQ(rule_for(expm1)->partial, PartialBehaviour::Reduce);
+  EXPECT_EQ(rule_for(Node{.op = "expm1"}), nullptr);
+  EXPECT_EQ(find_rule("exp"), nullptr);
+  EXPECT_EQ(find_rule("silu"), nullptr);
+  Node add{.op = "add", .attrs = {{"pointwise", true}}};
+  EXPECT_EQ(rule_for(add)->partial, PartialBehaviour::Additive);  // the registered row wins
 }
 
 TEST(SequenceDim, FirstDimLinearInS) {
@@ -144,7 +156,7 @@ TEST(ElementwiseRule, BroadcastAndSliceReplicatedOperand) {
   const int y3 = b.op("mul", {x, w}, {C(2), S(), C(64)});
   const int y4 = b.op("add", {x, one}, {C(2), S(), C(64)});
   const int y5 = b.op("sub", {x, x}, {C(2), S(), C(64)});
-  const int y6 = b.op("exp", {x}, {C(2), S(), C(64)});
+  const int y6 = b.op("exp", {x}, {C(2), S(), C(64)}, {{"pointwise", true}});
 
   // The replicated operand holds the whole sequence: it is sliced locally (no collective).
   EXPECT_EQ(run_rule(b, y1, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Slice(1)}}));
@@ -318,6 +330,32 @@ TEST(ExpandRule, LeadingDimsShiftTheShard) {
   const int y = b.op("expand", {pos}, {C(2), S(), S()});
   EXPECT_EQ(run_rule(b, y, {Sh(0)}),
             (Outcome{{Sh(1)}, {Keep}, {{"local_dims", std::vector<int64_t>{1}}}}));
+}
+
+// GQA written by hand: k.repeat_interleave(n_rep, dim=1) on [B, kv, S, D] sharded on S keeps the
+// shard; along the sequence each rank repeats its own chunk (the repeats sit right of S).
+TEST(RepeatRules, RepeatInterleaveAndRepeat) {
+  GraphBuilder b;
+  const int k = b.input("k", {C(2), C(2), S(), C(16)}, "f32", "data");
+  const int reps = b.input("reps", {C(2)}, "i64", "data");
+  const int heads = b.op("repeat_interleave", {k}, {C(2), C(4), S(), C(16)},
+                         {{"dim", int64_t{1}}, {"repeats", int64_t{2}}});
+  const int seq = b.op("repeat_interleave", {k}, {C(2), C(2), S(3), C(16)},
+                       {{"dim", int64_t{2}}, {"repeats", int64_t{3}}});
+  const int by_tensor =
+      b.op("repeat_interleave", {k, reps}, {C(2), C(2), S(), C(16)}, {{"dim", int64_t{2}}});
+  const int flat = b.op("repeat_interleave", {k}, {S(128)}, {{"repeats", int64_t{2}}});
+  const int tiled = b.op("repeat", {k}, {C(3), C(2), C(2), S(2), C(16)},
+                         {{"repeats", std::vector<int64_t>{3, 1, 1, 2, 1}}});
+  EXPECT_EQ(run_rule(b, heads, {Sh(2)}), (Outcome{{Sh(2)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, heads, {R}), (Outcome{{R}, {Keep}}));
+  EXPECT_EQ(run_rule(b, seq, {Sh(2)}), (Outcome{{Sh(2, 3)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, tiled, {Sh(2)}), (Outcome{{Sh(3)}, {Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, by_tensor, {Sh(2), R}),
+                       "expected an int repeat count along the sequence dim"));
+  EXPECT_TRUE(
+      contains(rule_error(b, flat, {Sh(2)}), "flattened by repeat_interleave without a dim"));
+  EXPECT_TRUE(contains(rule_error(b, heads, {R, Sh(0)}), "expected replicated repeat counts"));
 }
 
 // ---- permute, index ------------------------------------------------------------------------

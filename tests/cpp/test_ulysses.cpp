@@ -108,12 +108,12 @@ class Llama {
   int rms_norm(int x, int weight) {
     const int64_t B = m_.batch;
     const int sq = b_.at(20, "var = x.pow(2).mean(-1, keepdim=True)")
-                       .op("pow", {x}, act(D_), {{"exponent", 2.0}});
+                       .op("pow", {x}, act(D_), {{"exponent", 2.0}, {"pointwise", true}});
     const int var =
         b_.at(20).op("mean", {sq}, {C(B), S(), C(1)}, {{"dims", Ints{2}}, {"keepdim", true}});
     const int eps = b_.at(21, "x = x * torch.rsqrt(var + self.eps)")
                         .op("add", {var}, {C(B), S(), C(1)}, {{"other", 1e-6}});
-    const int r = b_.at(21).op("rsqrt", {eps}, {C(B), S(), C(1)});
+    const int r = b_.at(21).op("rsqrt", {eps}, {C(B), S(), C(1)}, {{"pointwise", true}});
     const int n = b_.at(21).op("mul", {x, r}, act(D_));
     return b_.at(22, "return self.weight * x").op("mul", {weight, n}, act(D_));
   }
@@ -370,8 +370,8 @@ Graph regularised_mse() {
   const int w = b.param("head.weight", {C(1), C(64)});
   const int x = b.at(10, "x = self.embed(ids)").op("embedding", {ids, embed}, {C(2), S(), C(64)});
   const int y = b.at(11, "y = self.head(x)").op("linear", {x, w}, {C(2), S(), C(1)});
-  const int sq =
-      b.at(12, "mse = y.pow(2).mean()").op("pow", {y}, {C(2), S(), C(1)}, {{"exponent", 2.0}});
+  const int sq = b.at(12, "mse = y.pow(2).mean()")
+                     .op("pow", {y}, {C(2), S(), C(1)}, {{"exponent", 2.0}, {"pointwise", true}});
   const int mse = b.at(12).op("mean", {sq}, {});
   const int aux = b.at(13, "aux = x.mean()").op("mean", {x}, {});
   const int loss = b.at(14, "loss = mse + aux").op("add", {mse, aux}, {});
@@ -454,13 +454,13 @@ TEST(UlyssesNoRule, ReplicatedOperandsAreFine) {
 TEST(UlyssesOutputs, ShardedOutputIsGathered) {
   GraphBuilder b;
   const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
-  const int y = b.at(3).op("silu", {x}, {C(2), S(), C(8)});
+  const int y = b.at(3).op("silu", {x}, {C(2), S(), C(8)}, {{"pointwise", true}});
   b.output({y});
   const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 4});
   EXPECT_EQ(plan.str(),
             "%0: f32[2, S, 8] R = input() {name=\"inputs_embeds\", role=\"data\"}  # model.py:1\n"
             "%1: f32[2, S, 8] S(1) = sp.slice(%0) {dim=1, inner=1, outer=1}  # model.py:1\n"
-            "%2: f32[2, S, 8] S(1) = silu(%1)  # model.py:3\n"
+            "%2: f32[2, S, 8] S(1) = silu(%1) {pointwise=true}  # model.py:3\n"
             "%3: f32[2, S, 8] R = sp.all_gather(%2) {dim=1, inner=1}  # model.py:4\n"
             "() = output(%3)  # model.py:4\n");
   EXPECT_EQ(plan.graph.nodes[2].origin, 1);  // copied nodes remember where they came from
@@ -472,7 +472,7 @@ TEST(UlyssesOutputs, ShardedOutputIsGathered) {
 TEST(UlyssesOutputs, LocalOutputsStaySharded) {
   GraphBuilder b;
   const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
-  const int y = b.at(3).op("silu", {x}, {C(2), S(), C(8)});
+  const int y = b.at(3).op("silu", {x}, {C(2), S(), C(8)}, {{"pointwise", true}});
   const int loss = b.at(4).op("sum", {y}, {});
   b.at(5).output({loss, y});
   const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 4, .gather_outputs = false});
