@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 namespace autosp {
 
@@ -122,17 +123,41 @@ RuleResult rule_reduction(const RuleInput& r) {
     res.expansion = "mean_partial";
     return res;
   }
+  // Reductions that combine across ranks by the same reduction: reduce the local chunk, then
+  // gather every rank's result and reduce those (sp.combine). One output only: max/min with
+  // a dim also return indices, which would need each chunk's offset.
+  static const std::set<std::string> combinable = {"amax", "amin", "logsumexp",
+                                                   "prod", "max",  "min"};
+  if (combinable.count(r.node.op) && r.node.outputs.size() == 1) {
+    RuleResult res = keep_all(r, {Placement::replicate()});
+    res.expansion = "combine";
+    return res;
+  }
   conflict(
       r, describe_input(r, 0) + ", reduced along the sharded sequence dim " + std::to_string(p.dim),
-      "a sum or mean (which reduce exactly across ranks), or a reduction over other dims",
-      "Reductions such as max/logsumexp/var over the whole sequence are not supported yet.");
+      "a reduction that combines exactly across ranks (sum, mean, amax, amin, logsumexp, prod, "
+      "max/min without indices), or a reduction over other dims",
+      "'" + r.node.op + "' over the whole sequence is not supported under sequence parallelism.");
 }
 
 // ---- ops along one dim that must not be the sharded one (softmax, cumsum, ...) ---------
 
 RuleResult rule_along_dim(const RuleInput& r) {
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
-  const int d = norm_dim(r.node.int_attr("dim", -1), input_value(r, 0).rank());
+  const Value& x = input_value(r, 0);
+  if (!r.node.has_attr("dim"))  // never guess the dim an op works along
+    conflict(r, describe_input(r, 0) + " and no dim attribute", "the dim the op works along");
+  const int d = norm_dim(r.node.int_attr("dim", -1), x.rank());
+  // Scans along the sequence: each rank scans its chunk, then combines the totals of the
+  // ranks before it (sp.scan). Exact when the dim is the sequence alone (size S, no other
+  // factor merged in).
+  static const std::set<std::string> scans = {"cumsum", "cumprod", "logcumsumexp"};
+  if (d == r.in[0].dim && scans.count(r.node.op) && r.in[0].inner == 1 &&
+      x.shape[static_cast<size_t>(d)] == Dim::seq(1)) {
+    RuleResult res = keep_all(r, {r.in[0]});
+    res.expansion = "scan";
+    return res;
+  }
   if (d == r.in[0].dim)
     conflict(r, describe_input(r, 0) + ", and the op works along dim " + std::to_string(d),
              "an op along a dim other than the sharded sequence dim",
@@ -437,7 +462,7 @@ const std::map<std::string, OpRule>& registry() {
                            "all", "any", "argmax", "argmin"})
       m[op] = {rule_reduction, PartialBehaviour::Reduce};
     for (const char* op :
-         {"softmax", "log_softmax", "cumsum", "cumprod", "topk", "sort", "argsort"})
+         {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "topk", "sort", "argsort"})
       m[op] = {rule_along_dim, PartialBehaviour::Reduce};
     m["reshape"] = {rule_reshape, PartialBehaviour::Unary};
     m["expand"] = {rule_expand, PartialBehaviour::Reduce};

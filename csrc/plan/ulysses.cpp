@@ -429,6 +429,10 @@ class PlanBuilder {
       emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
       return;
     }
+    if (res.expansion == "scan" || res.expansion == "combine") {
+      emit_cross_rank(n, apply_operands(n, ins, res.operands, res.out), res.expansion);
+      return;
+    }
     copy_node(n, apply_operands(n, ins, res.operands, res.out), res.out, res.attr_updates);
   }
 
@@ -451,6 +455,23 @@ class PlanBuilder {
     for (int o : n.outputs) c.outputs.push_back(scratch_.add_value(in_.value(o)));
     scratch_.add_node(std::move(c));
     return scratch_;
+  }
+
+  // A scan along the sequence (sp.scan: the local scan, combined with the totals of the ranks
+  // before this one) or a reduction over it (sp.combine: the local reduction, combined over
+  // all ranks by the same reduction).
+  void emit_cross_rank(const Node& n, std::vector<int> ins, const std::string& kind) {
+    const bool scan = kind == "scan";
+    // The local reduction is one per-rank term of the combined result, which sp.combine
+    // reduces with the op itself (not a sum); the plan prints it as P.
+    const Placement local = scan ? placement(ins[0]) : Placement::partial();
+    const int idx = copy_node(n, ins, {local}, {});
+    const int y = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+    Attrs attrs{{"op", n.op}};
+    if (scan) attrs["dim"] = int64_t{local.dim};
+    const int out = emit(scan ? "sp.scan" : "sp.combine", {y}, attrs,
+                         {{val(y), scan ? local : Placement::replicate()}}, n.loc)[0];
+    vmap_[static_cast<size_t>(n.outputs[0])] = out;
   }
 
   // mean over the sharded dim -> local sum / global count (a partial value).
@@ -652,7 +673,8 @@ class PlanBuilder {
 
 std::map<std::string, int> SpPlan::collective_counts() const {
   static const std::set<std::string> collectives = {
-      "sp.all_to_all", "sp.reduce_partial", "sp.grad_sync", "sp.all_gather", "sp.count_valid"};
+      "sp.all_to_all",  "sp.reduce_partial", "sp.grad_sync", "sp.all_gather",
+      "sp.count_valid", "sp.scan",           "sp.combine"};
   std::map<std::string, int> counts;
   for (const Node& n : graph.nodes)
     if (collectives.count(n.op)) counts[n.op] += 1;

@@ -215,6 +215,10 @@ class _Replayer:
             return
         elif op == "sp.repeat_heads":
             node = g.call_function(collectives.repeat_heads, (ins[0], a["dim"], a["repeats"]))
+        elif op == "sp.scan":
+            node = g.call_function(collectives.scan, (ins[0], a["dim"], a["op"], ctx.group, ctx.rank))
+        elif op == "sp.combine":
+            node = g.call_function(collectives.combine, (ins[0], a["op"], ctx.group, ctx.rank))
         elif op == "sp.count_valid":
             node = g.call_function(collectives.count_valid, (ins[0], a["ignore_index"], ctx.group))
         elif op == "div":

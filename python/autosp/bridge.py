@@ -57,7 +57,7 @@ _ALIASES = {
 _CASTS = {"float", "half", "bfloat16", "double", "to", "type_as", "type", "int", "long", "bool"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp",
                "norm", "all", "any", "argmax", "argmin"}
-_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort"}
+_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "sort", "argsort"}
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
              "reshape_as", "ravel"}
 _FACTORIES = {"arange", "ones", "zeros", "full", "empty", "rand", "randn", "randint",

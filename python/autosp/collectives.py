@@ -175,6 +175,62 @@ def repeat_heads(x: torch.Tensor, dim: int, repeats: int) -> torch.Tensor:
     return torch.repeat_interleave(x, repeats, dim=dim)
 
 
+class _GatherStack(torch.autograd.Function):
+    """Every rank's ``x`` stacked along a new leading dim.
+
+    The backward returns this rank's slot of the gradient. When what the stack feeds is
+    replicated (``sum_grads=False``: a max over the sequence), every rank already holds the
+    whole gradient, as in ``all_gather_seq``. When it feeds sharded values (``sum_grads=True``:
+    a scan, where rank r's chunk uses the totals of ranks < r), each rank holds one summand
+    of it, and the slots are summed over the group first."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str, rank: int, sum_grads: bool) -> torch.Tensor:
+        ctx.args = (group, rank, sum_grads)
+        return _wait(funcol.all_gather_tensor(x.unsqueeze(0).contiguous(), 0, group))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        group, rank, sum_grads = ctx.args
+        if sum_grads:
+            g = _all_reduce(g, group)
+        return g[rank], None, None, None
+
+
+def _reduce_stacked(g: torch.Tensor, op: str) -> torch.Tensor:
+    if op in ("amax", "max"):
+        return g.amax(0)
+    if op in ("amin", "min"):
+        return g.amin(0)
+    if op in ("logsumexp", "logcumsumexp"):
+        return torch.logsumexp(g, 0)
+    if op in ("prod", "cumprod"):
+        return g.prod(0)
+    if op == "cumsum":
+        return g.sum(0)
+    raise AssertionError(f"no cross-rank combination for {op}")
+
+
+def combine(x: torch.Tensor, op: str, group: str, rank: int) -> torch.Tensor:
+    """The reduction ``op`` over the whole sequence, from each rank's reduction of its chunk
+    (max of maxima, logsumexp of logsumexps, product of products)."""
+    return _reduce_stacked(_GatherStack.apply(x, group, rank, False), op)
+
+
+def scan(y: torch.Tensor, dim: int, op: str, group: str, rank: int) -> torch.Tensor:
+    """The scan ``op`` along the sequence, from this rank's scan ``y`` of its chunk: the last
+    element of each chunk is that chunk's total, and this rank adds (multiplies, log-adds) the
+    exclusive prefix of the totals of the ranks before it. Every rank runs the same ops (rank 0
+    combines an empty prefix), so no rank skips the collective."""
+    totals = _GatherStack.apply(y.narrow(dim, y.size(dim) - 1, 1), group, rank, True)
+    prefix = _reduce_stacked(totals[:rank], op)
+    if op == "cumsum":
+        return y + prefix
+    if op == "cumprod":
+        return y * prefix
+    return torch.logaddexp(y, prefix)
+
+
 def count_valid(target: torch.Tensor, ignore_index: int, group: str) -> torch.Tensor:
     """The number of targets != ignore_index over the whole SP group."""
     local = (target != ignore_index).sum()

@@ -234,17 +234,34 @@ TEST(ReductionRule, SumOverSequenceIsPartialMeanExpands) {
 TEST(ReductionRule, NonLinearReductionOverSequenceIsAnError) {
   GraphBuilder b;
   const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
-  const int y = b.at(40, "m = x.amax(1)")
-                    .target("torch.amax")
-                    .op("amax", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{1}}});
+  const int y = b.at(40, "v = x.var(1)")
+                    .target("torch.var")
+                    .op("var", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{1}}});
   const std::string msg = rule_error(b, y, {Sh(1)});
   EXPECT_TRUE(contains(msg,
-                       "[autosp:placement] op 'amax' (torch.amax) at model.py:40  "
-                       "m = x.amax(1): "));
+                       "[autosp:placement] op 'var' (torch.var) at model.py:40  "
+                       "v = x.var(1): "));
   EXPECT_TRUE(contains(msg,
                        "found input 0 f32[2, S, 64] placed S(1), reduced along the sharded "
-                       "sequence dim 1; expected a sum or mean"));
-  EXPECT_TRUE(contains(msg, "max/logsumexp/var"));
+                       "sequence dim 1; expected a reduction that combines exactly across ranks"));
+  EXPECT_TRUE(contains(msg, "'var' over the whole sequence is not supported"));
+}
+
+// amax, logsumexp, prod and max/min without indices reduce the local chunk and combine the
+// ranks' results by the same reduction (sp.combine); over other dims the shard stays.
+TEST(ReductionRule, CombinableReductionsOverSequence) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int m = b.op("amax", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{1}}});
+  const int l = b.op("logsumexp", {x}, {C(2), C(64)}, {{"dims", std::vector<int64_t>{1}}});
+  const auto vi =
+      b.ops("max", {x}, {{C(2), C(64)}, {C(2), C(64)}}, {{"dims", std::vector<int64_t>{1}}});
+  const Outcome combined{{R}, {Keep}, {}, "combine"};
+  EXPECT_EQ(run_rule(b, m, {Sh(1)}), combined);
+  EXPECT_EQ(run_rule(b, l, {Sh(1)}), combined);
+  EXPECT_TRUE(contains(rule_error(b, vi[0], {Sh(1)}), "max/min without indices"));
+  const int other = b.op("amax", {x}, {C(2), S()}, {{"dims", std::vector<int64_t>{2}}});
+  EXPECT_EQ(run_rule(b, other, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));
 }
 
 // ---- along one dim (softmax, cumsum, ...) ------------------------------------------------
@@ -260,15 +277,31 @@ TEST(AlongDimRule, OtherDimKeepsShard) {
 TEST(AlongDimRule, ConflictErrorText) {
   GraphBuilder b;
   const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
-  const int y = b.at(12, "c = x.cumsum(1)")
-                    .target("torch.cumsum")
-                    .op("cumsum", {x}, {C(2), S(), C(64)}, {{"dim", int64_t{1}}});
+  const int y = b.at(12, "p = x.softmax(1)")
+                    .target("torch.softmax")
+                    .op("softmax", {x}, {C(2), S(), C(64)}, {{"dim", int64_t{1}}});
   EXPECT_EQ(rule_error(b, y, {Sh(1)}),
-            "[autosp:placement] op 'cumsum' (torch.cumsum) at model.py:12  c = x.cumsum(1): "
+            "[autosp:placement] op 'softmax' (torch.softmax) at model.py:12  p = x.softmax(1): "
             "found input 0 f32[2, S, 64] placed S(1), and the op works along dim 1; expected an "
             "op along a dim other than the sharded sequence dim. Each rank holds only its chunk "
-            "of the sequence, so 'cumsum' along it would be wrong; compute it before the "
+            "of the sequence, so 'softmax' along it would be wrong; compute it before the "
             "sequence is sharded or inside attention.");
+}
+
+// cumsum/cumprod/logcumsumexp along a dim that is the sequence alone: the local scan and a
+// cross-rank prefix (sp.scan). Along a merged dim ([2*S]) the scan would cross the other
+// factor's blocks, so it stays an error.
+TEST(AlongDimRule, ScansAlongTheSequence) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int flat = b.input("flat", {S(2), C(64)}, "f32", "data");
+  const int c = b.op("cumsum", {x}, {C(2), S(), C(64)}, {{"dim", int64_t{1}}});
+  const int l = b.op("logcumsumexp", {x}, {C(2), S(), C(64)}, {{"dim", int64_t{-2}}});
+  const int merged = b.op("cumsum", {flat}, {S(2), C(64)}, {{"dim", int64_t{0}}});
+  EXPECT_EQ(run_rule(b, c, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}, {}, "scan"}));
+  EXPECT_EQ(run_rule(b, l, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}, {}, "scan"}));
+  EXPECT_TRUE(contains(rule_error(b, merged, {Sh(0)}), "the op works along dim 0"));
+  EXPECT_TRUE(contains(rule_error(b, merged, {Sh(0, 2)}), "the op works along dim 0"));
 }
 
 // ---- reshape -----------------------------------------------------------------------------

@@ -533,5 +533,26 @@ TEST(UlyssesHoist, ReplicatedChainIsHoistedUnlessTheGraphMutates) {
   }
 }
 
+// A scan along the sequence is the local scan plus the prefix of the earlier ranks' totals,
+// and a max over the sequence combines each rank's maximum.
+TEST(UlyssesCrossRank, ScanAndCombine) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int c = b.at(3).op("cumsum", {x}, {C(2), S(), C(8)}, {{"dim", int64_t{1}}});
+  const int m = b.at(4).op("amax", {c}, {C(2), C(8)}, {{"dims", std::vector<int64_t>{1}}});
+  b.at(5).output({m});
+  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2});
+  EXPECT_EQ(plan.str(),
+            "%0: f32[2, S, 8] R = input() {name=\"inputs_embeds\", role=\"data\"}  # model.py:1\n"
+            "%1: f32[2, S, 8] S(1) = sp.slice(%0) {dim=1, inner=1, outer=1}  # model.py:1\n"
+            "%2: f32[2, S, 8] S(1) = cumsum(%1) {dim=1}  # model.py:3\n"
+            "%3: f32[2, S, 8] S(1) = sp.scan(%2) {dim=1, op=\"cumsum\"}  # model.py:3\n"
+            "%4: f32[2, 8] P = amax(%3) {dims=[1]}  # model.py:4\n"
+            "%5: f32[2, 8] R = sp.combine(%4) {op=\"amax\"}  # model.py:4\n"
+            "() = output(%5)  # model.py:5\n");
+  EXPECT_EQ(plan.collective_counts(),
+            (std::map<std::string, int>{{"sp.combine", 1}, {"sp.scan", 1}}));
+}
+
 }  // namespace
 }  // namespace autosp
