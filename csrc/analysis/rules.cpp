@@ -416,7 +416,10 @@ RuleResult rule_embedding(const RuleInput& r) {
   const int d = sequence_dim(input_value(r, 0));
   if (d < 0) return keep_all(r, all_replicate(r));
   RuleResult res = keep_all(r, {Placement::shard(d)});
-  res.operands[0] = OperandChange::slice(d);
+  const Value& table = input_value(r, 1);
+  const bool rows_known = table.rank() == 2 && table.shape[0].is_static();
+  res.operands[0] =
+      rows_known ? OperandChange::checked_slice(d, table.shape[0].coef) : OperandChange::slice(d);
   return res;
 }
 

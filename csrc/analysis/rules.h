@@ -20,11 +20,18 @@ namespace autosp {
 struct OperandChange {
   enum class Kind { Keep, Slice, ReducePartial };
   Kind kind = Kind::Keep;
-  int dim = -1;       // Slice: the operand's dim to slice
-  int64_t inner = 1;  // Slice: factor right of S inside that dim
+  int dim = -1;             // Slice: the operand's dim to slice
+  int64_t inner = 1;        // Slice: factor right of S inside that dim
+  int64_t check_below = 0;  // Slice: when > 0, first check every element is in [0, check_below)
 
   static OperandChange keep() { return {}; }
   static OperandChange slice(int dim, int64_t inner = 1) { return {Kind::Slice, dim, inner}; }
+  // Slices indices after checking them on the full-length value, which every rank holds: a
+  // bad index then fails on every rank alike, instead of in the one rank whose chunk holds
+  // it while the others wait in a collective.
+  static OperandChange checked_slice(int dim, int64_t below) {
+    return {Kind::Slice, dim, 1, below};
+  }
   static OperandChange reduce() { return {Kind::ReducePartial, -1, 1}; }
   bool operator==(const OperandChange&) const = default;
 };

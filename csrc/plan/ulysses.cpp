@@ -345,6 +345,9 @@ class PlanBuilder {
       const OperandChange& c = changes.at(i);
       switch (c.kind) {
         case OperandChange::Kind::Slice:
+          if (c.check_below > 0)
+            ins[i] = emit("sp.check_index", {ins[i]}, {{"below", c.check_below}},
+                          {{val(ins[i]), placement(ins[i])}}, n.loc)[0];
           ins[i] = slice(ins[i], c.dim, c.inner, n.loc);
           break;
         case OperandChange::Kind::ReducePartial:

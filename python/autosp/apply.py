@@ -215,6 +215,8 @@ class _Replayer:
             return
         elif op == "sp.repeat_heads":
             node = g.call_function(collectives.repeat_heads, (ins[0], a["dim"], a["repeats"]))
+        elif op == "sp.check_index":
+            node = g.call_function(collectives.check_index, (ins[0], a["below"], str(cn.loc)))
         elif op == "sp.scan":
             node = g.call_function(collectives.scan, (ins[0], a["dim"], a["op"], ctx.group, ctx.rank))
         elif op == "sp.combine":

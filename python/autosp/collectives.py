@@ -231,6 +231,17 @@ def scan(y: torch.Tensor, dim: int, op: str, group: str, rank: int) -> torch.Ten
     return torch.logaddexp(y, prefix)
 
 
+def check_index(ids: torch.Tensor, below: int, where: str) -> torch.Tensor:
+    """``ids``, after checking on the full-length value every rank holds that each id is in
+    ``[0, below)``: a bad id fails on every rank alike (as on one device), instead of only in
+    the rank whose chunk holds it while the others wait in a collective."""
+    ok = ((ids >= 0) & (ids < below)).all()
+    torch._assert_async(ok, f"[autosp:inputs] {where}: found an index outside [0, {below}) in the "
+                            f"full-length input; expected every index in [0, {below}) (the table's "
+                            "rows). Every rank fails here alike.")
+    return ids
+
+
 def count_valid(target: torch.Tensor, ignore_index: int, group: str) -> torch.Tensor:
     """The number of targets != ignore_index over the whole SP group."""
     local = (target != ignore_index).sum()
