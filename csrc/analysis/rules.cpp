@@ -94,6 +94,26 @@ RuleResult rule_elementwise(const RuleInput& r) {
   return res;
 }
 
+// Random elementwise ops (dropout, rand_like, randn_like) on a sharded value. The ranks share
+// the random seed, so drawing for the local chunk would give every rank the same numbers
+// for its own chunk: position j and j + S/P would share a dropout mask. Instead each rank
+// draws at full length and keeps its chunk (attributes random_dim, random_inner and
+// random_outer tell the bridge where the chunk lies): the draw is the single-device one, and
+// every rank consumes the same random numbers, so replicated draws stay identical on all ranks.
+RuleResult rule_random(const RuleInput& r) {
+  RuleResult res = rule_elementwise(r);
+  if (res.out.empty() || !res.out[0].is_shard()) return res;
+  const Placement p = res.out[0];
+  const Dim& size = output_value(r, 0).shape[static_cast<size_t>(p.dim)];
+  if (!size.has_seq() || size.power != 1 || size.coef % p.inner != 0)
+    conflict(r, describe_input(r, 0) + ", a random draw over a sharded dim of size " + size.str(),
+             "a dim that is a multiple of S");
+  res.attr_updates["random_dim"] = int64_t{p.dim};
+  res.attr_updates["random_inner"] = p.inner;
+  res.attr_updates["random_outer"] = size.coef / p.inner;
+  return res;
+}
+
 // ---- reductions ------------------------------------------------------------------------
 
 std::vector<int> reduced_dims(const RuleInput& r, int rank) {
@@ -457,8 +477,10 @@ const std::map<std::string, OpRule>& registry() {
       m[op] = {rule_elementwise, PartialBehaviour::Unary};
     // Elementwise ops PyTorch does not tag pointwise (every tagged one arrives with the
     // node attribute "pointwise" and takes the pointwise rule, see rule_for).
-    for (const char* op : {"dropout", "fill_like", "detach"})
+    for (const char* op : {"fill_like", "detach"})
       m[op] = {rule_elementwise, PartialBehaviour::Reduce};
+    for (const char* op : {"dropout", "rand_like", "randn_like"})
+      m[op] = {rule_random, PartialBehaviour::Reduce};
     m["sum"] = {rule_reduction, PartialBehaviour::Unary};
     m["mean"] = {rule_reduction, PartialBehaviour::Unary};
     for (const char* op : {"amax", "amin", "max", "min", "prod", "var", "std", "logsumexp", "norm",

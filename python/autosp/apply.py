@@ -127,7 +127,10 @@ class _Replayer:
             if cn.op == "output":
                 nn = self.graph.output(args[0] if len(args) == 1 else args)
                 return
-            nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
+            if "random_dim" in attrs:
+                nn = self.sharded_random(cn, args, kwargs)
+            else:
+                nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
             nn.meta = copy.copy(fxn.meta)
             if attrs.get("scale_by_sp", False):
                 nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
@@ -150,6 +153,19 @@ class _Replayer:
         else:
             for vid in cn.outputs:
                 self.env[vid] = nn
+
+    def sharded_random(self, cn: Any, args: Any, kwargs: dict) -> fx.Node:
+        """A random op on a sequence-sharded value, drawn at full length (see
+        collectives.sharded_dropout)."""
+        a = cn.attrs
+        where = (a["random_dim"], a["random_outer"], a["random_inner"], self.ctx.rank, self.ctx.world)
+        x = args[0] if args else kwargs.pop("input")
+        if cn.op == "dropout":
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            return self.graph.call_function(collectives.sharded_dropout, (x, p, training) + where)
+        extra = {k: v for k, v in kwargs.items() if k in ("dtype", "device", "layout")}
+        return self.graph.call_function(collectives.sharded_random_like, (x, cn.op) + where, extra)
 
     def localise_sizes(self, fxn: fx.Node, cn: Any, args: Any, kwargs: dict, dims: list[int]) -> tuple:
         name = fxn.target if isinstance(fxn.target, str) else getattr(fxn.target, "__name__", "")

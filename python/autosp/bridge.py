@@ -47,7 +47,7 @@ _ALIASES = {
     "scaled_dot_product_attention": "sdpa", "matmul": "matmul", "mm": "matmul", "bmm": "matmul",
     "greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le", "not_equal": "ne",
     "zeros_like": "fill_like", "ones_like": "fill_like", "full_like": "fill_like",
-    "empty_like": "fill_like", "rand_like": "fill_like", "randn_like": "fill_like",
+    "empty_like": "fill_like",
     "new_zeros": "new_full", "new_ones": "new_full", "new_empty": "new_full",
     "new_tensor": "new_full",
     # In-place operators (x /= y) compute what their out-of-place forms do.
@@ -509,8 +509,8 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         }
     if name in _FACTORIES or name == "new_full":
         return ("new_full" if name == "new_full" else name), [], {}
-    if name in ("fill_like",):
-        return "fill_like", _tensor_inputs(node, only=[0]), {}
+    if name in ("fill_like", "rand_like", "randn_like"):
+        return name, _tensor_inputs(node, only=[0]), {}
     return name, _tensor_inputs(node), {}
 
 

@@ -105,6 +105,37 @@ def local_chunk(x: torch.Tensor, dim: int, outer: int, inner: int, rank: int, wo
     return t.narrow(dim + 1, rank * n, n).flatten(dim, dim + 2).contiguous()
 
 
+def _global_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] *= world
+    return shape
+
+
+def sharded_dropout(x: torch.Tensor, p: float, training: bool, dim: int, outer: int, inner: int,
+                    rank: int, world: int) -> torch.Tensor:
+    """``F.dropout(x, p, training)`` for this rank's chunk ``x`` of a sequence-sharded value,
+    with the mask of the single-device draw: the mask is drawn at full length (as one device
+    draws it, from the same random state every rank holds) and this rank keeps its chunk. Under
+    Inductor the draw fuses into the chunk's kernel; eagerly it is a transient full-length
+    tensor."""
+    if not training or p == 0.0:
+        return x
+    ones = torch.ones(_global_shape(x, dim, world), dtype=x.dtype, device=x.device)
+    mask = torch.nn.functional.dropout(ones, p, True)
+    return x * local_chunk(mask, dim, outer, inner, rank, world)
+
+
+def sharded_random_like(x: torch.Tensor, kind: str, dim: int, outer: int, inner: int, rank: int,
+                        world: int, **kwargs: Any) -> torch.Tensor:
+    """``torch.rand_like`` / ``torch.randn_like`` for a chunk: drawn at full length, chunk kept
+    (see sharded_dropout)."""
+    draw = torch.rand if kind == "rand_like" else torch.randn
+    kwargs.setdefault("dtype", x.dtype)
+    kwargs.setdefault("device", x.device)
+    full = draw(_global_shape(x, dim, world), **kwargs)
+    return local_chunk(full, dim, outer, inner, rank, world)
+
+
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, outer: int, inner: int, group: str, rank: int,
