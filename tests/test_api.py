@@ -43,3 +43,12 @@ def test_bad_arguments() -> None:
         autosp.compile(_model(), mesh=None, outputs="gathered")  # type: ignore[arg-type]
     with pytest.raises(autosp.AutospError, match=r"\[autosp:init_mesh\] found torch.distributed not initialised"):
         autosp.init_mesh(2)
+
+
+def test_raw_backend_arguments() -> None:
+    with pytest.raises(autosp.AutospError, match=r"\[autosp:compile\] found backend='tvm'"):
+        SequenceParallelBackend(rank=0, world=2, group="unused", backend="tvm")
+    with pytest.raises(autosp.AutospError, match=r"\[autosp:compile\] found seq_dim=0; expected an int >= 1"):
+        autosp.backend(None, seq_dim=0)  # type: ignore[arg-type]
+    with pytest.raises(autosp.AutospError, match=r"\[autosp:compile\] found mesh=None \(NoneType\)"):
+        autosp.backend(None)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -9,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autosp import guard
 from autosp.backend import BACKENDS, SequenceParallelBackend
-from autosp.errors import AutospError
+from autosp.errors import AutospError, internal_error
 
 REMAT_POLICIES = ("none", "default", "sequence-aware")
 OUTPUTS = ("full", "local")
@@ -28,8 +30,14 @@ def init_mesh(sp_size: int, dp_size: int | None = None, device_type: str | None 
             "dist.init_process_group(...) (e.g. under torchrun) before autosp.init_mesh."
         )
     world = dist.get_world_size()
-    if sp_size < 1:
-        raise AutospError(f"[autosp:init_mesh] found sp_size={sp_size}; expected a positive integer.")
+    for name, value in (("sp_size", sp_size), ("dp_size", dp_size)):
+        if value is None and name == "dp_size":
+            continue
+        if not _is_int(value) or value < 1:
+            raise AutospError(f"[autosp:init_mesh] found {name}={value!r} ({type(value).__name__}); "
+                              f"expected a positive int (a number of ranks).")
+    sp_size = int(sp_size)
+    dp_size = None if dp_size is None else int(dp_size)
     if dp_size is None:
         if world % sp_size != 0:
             raise AutospError(
@@ -47,14 +55,68 @@ def init_mesh(sp_size: int, dp_size: int | None = None, device_type: str | None 
     return init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
 
 
-def _sp_axis(mesh: DeviceMesh) -> tuple[int, int, str]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise AutospError(
+            f"[autosp:compile] found mesh={mesh!r} ({type(mesh).__name__}); expected a DeviceMesh with "
+            "an 'sp' axis: mesh = autosp.init_mesh(sp_size=...) after dist.init_process_group(...)."
+        )
     names = mesh.mesh_dim_names or ()
     if "sp" not in names:
         raise AutospError(
             f"[autosp:compile] found a mesh with axes {names}; expected an 'sp' axis (use autosp.init_mesh)."
         )
-    group = mesh.get_group("sp")
-    return mesh.get_local_rank("sp"), mesh.size(names.index("sp")), group.group_name
+
+
+def _check_seq_dim(seq_dim: Any) -> None:
+    if not _is_int(seq_dim) or seq_dim < 1:
+        raise AutospError(
+            f"[autosp:compile] found seq_dim={seq_dim!r}; expected an int >= 1, the index of the sequence "
+            "dim in the batch-first inputs (dim 0 is the batch; negative indices are ambiguous across "
+            "inputs of different rank): seq_dim=1 (the default) for [B, S] token ids."
+        )
+
+
+def _group_alive(group_name: str | None) -> bool:
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    resolve = getattr(torch.distributed.distributed_c10d, "_resolve_process_group", None)
+    if group_name is None or resolve is None:
+        return True
+    try:
+        resolve(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _dead_group_error(where: str, group_name: str | None) -> AutospError:
+    return AutospError(
+        f"[autosp:{where}] found the SP process group{f' {group_name!r}' if group_name else ''} gone "
+        "(torch.distributed not initialised, or the group destroyed); expected the process group "
+        "autosp.init_mesh was built on to stay alive while the model is compiled and called: call "
+        "dist.destroy_process_group() only after the last step, and after a new "
+        "dist.init_process_group(...) build a new mesh and compile again."
+    )
+
+
+def _sp_axis(mesh: DeviceMesh) -> tuple[int, int, str]:
+    _check_mesh(mesh)
+    names = mesh.mesh_dim_names or ()
+    if not _group_alive(None):
+        raise _dead_group_error("compile", None)
+    try:
+        group = mesh.get_group("sp")
+        name = group.group_name
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise _dead_group_error("compile", None) from e
+    if not _group_alive(name):
+        raise _dead_group_error("compile", name)
+    return mesh.get_local_rank("sp"), mesh.size(names.index("sp")), name
 
 
 def _check_outputs(outputs: str) -> None:
@@ -76,7 +138,9 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
             backend: str = "inductor", outputs: str = "full") -> SequenceParallelBackend:
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
-    (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`."""
+    (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`.
+    The raw backend does not compare inputs across the SP group (see ``check_inputs``)."""
+    _check_seq_dim(seq_dim)
     _check_outputs(outputs)
     return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs)
 
@@ -96,14 +160,27 @@ def _logging_functions() -> set:
 
 class SequenceParallelModule(nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
-    full-length and identical on every rank of the SP group."""
+    full-length and identical on every rank of the SP group.
+
+    ``sp_group``: the SP process group; when given, each call first checks that it is
+    still alive and compares the inputs across it as ``check_inputs`` says (see
+    :class:`autosp.guard.InputGuard`; ``mesh_dp_group``, the mesh's "dp" group, spreads
+    the outcome to every SP group). :func:`compile` passes the mesh's groups.
+    ``dp_group``: gradients are averaged over it after backward.
+    """
 
     def __init__(self, model: nn.Module, sp_backend: SequenceParallelBackend, seq_dim: int,
-                 dp_group: Any = None) -> None:
+                 dp_group: Any = None, sp_group: Any = None, check_inputs: str = "on_change",
+                 mesh_dp_group: Any = None) -> None:
         super().__init__()
+        _check_seq_dim(seq_dim)
         self.module = model
         self.sp_backend = sp_backend
         self.seq_dim = seq_dim
+        self.names = guard.positional_names(model.forward)
+        self.sp_group = sp_group
+        self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group)
+        self._signatures: dict[tuple, None] = {}  # distinct shapes (S aside), dtypes, train mode
         # Not registered as a submodule: the parameters and state_dict are the model's,
         # under "module." as with DistributedDataParallel.
         object.__setattr__(self, "_compiled",
@@ -123,15 +200,26 @@ class SequenceParallelModule(nn.Module):
                 if p.requires_grad:
                     self._dp_hooks.append(p.register_post_accumulate_grad_hook(average))
 
-    def _prepare(self, args: tuple, kwargs: dict) -> None:
-        tensors = [t for t in list(args) + list(kwargs.values())
-                   if isinstance(t, torch.Tensor) and t.dim() > self.seq_dim]
+    def _arg_name(self, key: int | str) -> str:
+        if isinstance(key, str):
+            return f"keyword argument {key!r}"
+        return f"argument {key}" + (f" ({self.names[key]})" if key < len(self.names) else "")
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple:
+        """Check the sequence length and mark the sequence dims dynamic: dim ``seq_dim`` of
+        every top-level tensor argument of the sequence length S, and, for boolean or
+        integer tensors (attention masks such as [B, 1, S, S]), every other dim >= 1 of size S.
+        Returns the tensors' shapes (marked dims as None) and dtypes, and the train mode:
+        what a new graph is compiled for."""
+        named = [(self._arg_name(k), t) for k, t in list(enumerate(args)) + list(kwargs.items())
+                 if isinstance(t, torch.Tensor)]
+        tensors = [(n, t) for n, t in named if t.dim() > self.seq_dim]
         if not tensors:
             raise AutospError(
                 f"[autosp:compile] found no tensor argument with a dim {self.seq_dim}; expected "
                 f"full-length inputs whose dim {self.seq_dim} is the sequence (seq_dim={self.seq_dim})."
             )
-        seq = tensors[0].shape[self.seq_dim]
+        seq = tensors[0][1].shape[self.seq_dim]
         world = self.sp_backend.ctx.world
         if seq % world != 0:
             raise AutospError(
@@ -141,28 +229,63 @@ class SequenceParallelModule(nn.Module):
             )
         if seq < 2:
             raise AutospError(f"[autosp:compile] found sequence length {seq}; expected at least 2.")
-        for t in tensors:
-            if t.shape[self.seq_dim] == seq:
-                torch._dynamo.mark_dynamic(t, self.seq_dim)
+        key = []
+        for name, t in named:
+            mask_like = t.dim() >= 4 and t.shape[-1] == seq and (
+                t.dim() <= self.seq_dim or t.shape[self.seq_dim] != seq)
+            dims = [self.seq_dim] if t.dim() > self.seq_dim and t.shape[self.seq_dim] == seq else []
+            if not (t.is_floating_point() or t.is_complex()):
+                dims += [d for d in range(1, t.dim()) if t.shape[d] == seq and d not in dims]
+            elif mask_like:
+                # An additive [B, 1, S, S] mask: its query and key dims are the sequence (a
+                # float activation's feature dim that happens to equal S is not marked).
+                dims += [d for d in (t.dim() - 2, t.dim() - 1) if t.shape[d] == seq and d not in dims]
+            for d in dims:
+                torch._dynamo.mark_dynamic(t, d)
+            key.append((name, tuple(None if d in dims else n for d, n in enumerate(t.shape)), t.dtype))
+        return tuple(key), self.module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._prepare(args, kwargs)
+        if self.sp_group is not None and not _group_alive(self.sp_backend.ctx.group):
+            raise _dead_group_error("forward", self.sp_backend.ctx.group)
+        leaves = guard.flatten_inputs(args, kwargs, self.names)
+        sig = guard.signature(leaves)
+        self.input_guard.check_call(leaves, sig)  # before any local check: ranks decide alike
+        self._signatures.setdefault(self._prepare(args, kwargs), None)
         try:
             if not hasattr(torch._dynamo.config, "ignore_logging_functions"):
                 return self._compiled(*args, **kwargs)
             with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
-            inner = getattr(e, "inner_exception", None)
+            inner = getattr(e, "inner_exception", None) or e.__cause__ or e
             if isinstance(inner, AutospError):
-                raise inner.with_traceback(None) from None
-            raise
+                raise inner.with_traceback(None) from inner.__cause__
+            raise internal_error("compile", inner) from inner
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise self._recompile_error(leaves) from e
         except torch._dynamo.exc.Unsupported as e:
             raise AutospError(
                 "[autosp:capture] found a graph break (Dynamo could not capture the model in one "
                 f"graph): {str(e).splitlines()[0]}; expected a model that torch.compile(fullgraph=True) "
                 "captures whole. The full Dynamo message follows.\n" + str(e)
             ) from None
+
+    def _recompile_error(self, leaves: list) -> AutospError:
+        limit = getattr(torch._dynamo.config, "recompile_limit", None)
+        call = ", ".join(f"{leaf.name} {guard.describe_tensor(leaf.value.shape, leaf.value.dtype)}"
+                         for leaf in leaves if isinstance(leaf.value, torch.Tensor))
+        return AutospError(
+            "[autosp:recompile] found one input signature too many for the model's forward (this "
+            f"call: {call}, training={self.module.training}; this module has been called with "
+            f"{len(self._signatures)} distinct batch shapes, dtypes and train modes): Dynamo compiles "
+            "one graph per batch size, dtype, non-tensor argument value and train/eval mode (for a "
+            "model that reads self.training; a new sequence length does not recompile) and stops at "
+            f"torch._dynamo.config.recompile_limit = {limit} per function. Expected at most {limit}: "
+            "pad the batch to a few fixed sizes (padding rows whose labels are all -100 add nothing "
+            "to a cross-entropy with ignore_index=-100), or raise torch._dynamo.config.recompile_limit "
+            "(each new signature compiles the model again)."
+        )
 
     @property
     def last_compile(self) -> Any:
@@ -172,7 +295,8 @@ class SequenceParallelModule(nn.Module):
 
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", average_dp: bool = True,
-            remat_report: Any = None, outputs: str = "full") -> SequenceParallelModule:
+            remat_report: Any = None, outputs: str = "full",
+            check_inputs: str = "on_change") -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -192,6 +316,13 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     and other replicated outputs are unchanged. Use it when training needs only the loss: a
     model that returns ``[B, S, vocab]`` logits otherwise materialises them at full length on
     every rank, which defeats sequence parallelism's memory savings.
+
+    ``check_inputs``: before running, the inputs are compared across the SP group (shapes and
+    dtypes, then a checksum of every tensor's values), and ranks fed different data all raise
+    the same AutospError instead of training on garbage or hanging. ``"on_change"`` (default)
+    compares on the first call and whenever this rank's input shapes or dtypes change (two
+    small all-gathers then, nothing otherwise), ``"always"`` on every call, ``"never"`` not
+    at all. ``seq_dim`` is the sequence dim of the batch-first inputs (>= 1).
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
@@ -199,6 +330,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
         raise AutospError(f"[autosp:compile] found remat={remat!r}; expected one of {REMAT_POLICIES} "
                           "or an autosp.remat.MemoryBudget.")
     _check_outputs(outputs)
+    guard.check_mode(check_inputs)
+    _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
-    return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None)
+    return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None,
+                                  sp_group=mesh.get_group("sp"), check_inputs=check_inputs,
+                                  mesh_dp_group=dp_group)

@@ -18,7 +18,7 @@ import torch.fx as fx
 from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
-from autosp.errors import AutospError
+from autosp.errors import AutospError, stage
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -65,7 +65,7 @@ class SequenceParallelBackend:
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
                  remat_report: Any = None, gather_outputs: bool = True) -> None:
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)
         self.seq_dim = seq_dim
         self.remat = remat
@@ -95,28 +95,38 @@ class SequenceParallelBackend:
                 f.write(st.text)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        """Compile one Dynamo graph. Raises only AutospError: a problem with the model is
+        reported as such; any other exception from autosp's own stages (bridge, plan,
+        apply, compile) becomes an internal-error AutospError chained to it."""
         rec = CompileRecord()
         self.records.append(rec)
         t0 = time.perf_counter()
         rec.stages.append(Stage("dynamo", gm.print_readable(print_output=False), 0.0))
-        bridge = fx_to_core(gm, list(example_inputs), self.seq_dim)
-        t1 = time.perf_counter()
-        rec.stages.append(Stage("core", str(bridge.graph), t1 - t0))
-        cfg = _core.SpConfig()
-        cfg.sp_size = self.ctx.world
-        cfg.fuse_qkv = self.fuse_qkv
-        cfg.gather_outputs = self.gather_outputs
-        try:
-            plan = _core.plan_ulysses(bridge.graph, cfg)
-        except _core.PlanError as e:
-            raise AutospError(str(e)) from None
-        t2 = time.perf_counter()
-        rec.stages.append(Stage("ulysses", str(plan), t2 - t1))
-        rec.collective_counts = dict(plan.collective_counts())
-        new_gm = apply_plan(gm, bridge, plan, self.ctx)
-        rec.graph_module = new_gm
-        rec.example_inputs = list(example_inputs)
-        self._dump(rec)
-        rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False), time.perf_counter() - t2))
-        return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend,
-                             report=self.remat_report)
+        try:  # dump what was produced, also when a stage fails (AUTOSP_DUMP_DIR)
+            with stage("bridge"):
+                bridge = fx_to_core(gm, list(example_inputs), self.seq_dim)
+                t1 = time.perf_counter()
+                rec.stages.append(Stage("core", str(bridge.graph), t1 - t0))
+            with stage("plan"):
+                cfg = _core.SpConfig()
+                cfg.sp_size = self.ctx.world
+                cfg.fuse_qkv = self.fuse_qkv
+                cfg.gather_outputs = self.gather_outputs
+                try:
+                    plan = _core.plan_ulysses(bridge.graph, cfg)
+                except _core.PlanError as e:
+                    raise AutospError(str(e)) from None
+                t2 = time.perf_counter()
+                rec.stages.append(Stage("ulysses", str(plan), t2 - t1))
+                rec.collective_counts = dict(plan.collective_counts())
+            with stage("apply"):
+                new_gm = apply_plan(gm, bridge, plan, self.ctx)
+                rec.graph_module = new_gm
+                rec.example_inputs = list(example_inputs)
+                rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False),
+                                        time.perf_counter() - t2))
+        finally:
+            self._dump(rec)
+        with stage("compile"):
+            return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend,
+                                 report=self.remat_report)

@@ -70,11 +70,18 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids: [B, S] -> cos, sin: [B, S, head_dim]
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids: [B, S] -> cos, sin: [B, S, head_dim], computed in fp32 and returned
+        # in ``dtype`` (the activations' dtype, as in Hugging Face Llama) so that q and k
+        # keep the dtype of v in bf16/fp16.
         freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if dtype is not None and dtype != cos.dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def apply_rotary(
@@ -161,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         bsz, seq_len = input_ids.shape
         position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids, dtype=self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin)
