@@ -445,9 +445,18 @@ RuleResult rule_embedding(const RuleInput& r) {
 
 RuleResult rule_sym_size(const RuleInput& r) {
   RuleResult res = keep_all(r, all_replicate(r));
-  if (!r.in.empty() && r.in[0].is_shard()) {
+  if (r.in.empty() || !r.in[0].is_shard()) return res;
+  // At run time the local tensor reports its local sizes; the graph expects the global ones:
+  // x.size(d) of the sharded dim and x.numel() scale by P, and x.size() (attribute
+  // whole="size") scales its entry scale_dim.
+  const std::string whole = r.node.str_attr("whole", "");
+  if (whole == "numel") {
+    res.attr_updates["scale_by_sp"] = true;
+  } else if (whole == "size") {
+    res.attr_updates["scale_by_sp"] = true;
+    res.attr_updates["scale_dim"] = int64_t{r.in[0].dim};
+  } else {
     const int d = norm_dim(r.node.int_attr("dim", 0), input_value(r, 0).rank());
-    // At run time the local tensor reports its local size; the graph expects the global.
     if (d == r.in[0].dim) res.attr_updates["scale_by_sp"] = true;
   }
   return res;

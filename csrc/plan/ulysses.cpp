@@ -35,7 +35,7 @@ class PlanBuilder {
         emit_input(n);
       else if (n.op == "output")
         emit_output(n);
-      else if (n.op == "sdpa")
+      else if (n.op == "sdpa" || n.op == "flex_attention")
         emit_sdpa(n);
       else if (n.op == "cross_entropy")
         emit_cross_entropy(n);
@@ -312,8 +312,12 @@ class PlanBuilder {
       int v = mapped(old);
       const Value& value = val(v);
       const int d = sequence_dim(value);
+      // A value with the sequence in two dims is a mask or bias over (query, key), not an
+      // activation: it stays replicated and is sliced where it meets sharded values.
+      const auto seq_dims = std::count_if(value.shape.begin(), value.shape.end(),
+                                          [](const Dim& s) { return s.has_seq(); });
       if (n.str_attr("role", "") == "data" && value.is_tensor() && is_float(value.dtype) &&
-          value.rank() >= 3 && d >= 0)
+          value.rank() >= 3 && d >= 0 && seq_dims == 1)
         vmap_[static_cast<size_t>(old)] = slice(v, d, 1, n.loc);
     }
   }
@@ -624,15 +628,28 @@ class PlanBuilder {
         v = slice(v, 1, 1, n.loc);  // replicated full-length k/v: keep the local heads
       args[i] = v;
     }
-    if (args.size() > 3 && args[3] >= 0) {
-      const Value& m = val(args[3]);
-      Placement pm = placement(args[3]);
+    // Masks (sdpa's attn_mask; flex_attention's block mask tensors, then its mods' buffers)
+    // apply to the whole sequence, which every rank sees after the exchange: they stay
+    // replicated, and a per-head mask keeps this rank's heads.
+    const bool flex = n.op == "flex_attention";
+    if (flex && n.bool_attr("reads_head_index", false))
+      throw PlanError(kPass, n, "a score_mod or mask_mod that reads the head index h",
+                      "mods that do not depend on h",
+                      "Ulysses gives each rank H/P heads, and flex_attention passes the rank's "
+                      "local head index to the mods; pass per-head values through q/k/v instead.");
+    const size_t per_head_end =
+        flex ? 3 + static_cast<size_t>(n.int_attr("block_mask_inputs", 0)) : args.size();
+    for (size_t i = 3; i < args.size(); ++i) {
+      if (args[i] < 0) continue;
+      const Placement pm = placement(args[i]);
       if (!pm.is_replicate())
         throw PlanError(kPass, n, "an attention mask placed " + pm.str(),
                         "a replicated (full-length) mask",
                         "Build the mask from full-length positions (as single-device code does).");
-      if (m.rank() == 4 && m.shape[1].is_static() && m.shape[1].coef == Hq)
-        args[3] = slice(args[3], 1, 1, n.loc);
+      const Value& m = val(args[i]);
+      if (i < per_head_end && m.rank() >= 2 && m.shape[1].is_static() && m.shape[1].coef == Hq &&
+          Hq > 1)
+        args[i] = slice(args[i], 1, 1, n.loc);
     }
     const Dim seq = q.shape[2];
     auto exchange_group = [&](std::vector<int> positions) {
@@ -656,15 +673,21 @@ class PlanBuilder {
       for (int i : exchange) exchange_group({i});
     }
     for (size_t i = 0; i < 3; ++i) args[i] = grad_sync_if_replicated(args[i], n.loc);
-    const int idx = copy_node(n, args, {Placement::shard(1)}, {});
-    const int o = out_.nodes[static_cast<size_t>(idx)].outputs[0];
-    const int back = emit("sp.all_to_all", {o},
-                          {{"scatter_dim", int64_t{2}},
-                           {"gather_dim", int64_t{1}},
-                           {"gather_coef", Hq},
-                           {"gather_power", int64_t{0}}},
-                          {{val(o), Placement::shard(2)}}, n.loc)[0];
-    vmap_[static_cast<size_t>(n.outputs[0])] = back;
+    // Every output ([B, H, S, D] attention, [B, H, S] logsumexp) goes back to the sequence
+    // layout; exchanges of outputs nobody reads are dropped as dead code.
+    const int idx =
+        copy_node(n, args, std::vector<Placement>(n.outputs.size(), Placement::shard(1)), {});
+    const std::vector<int> outs = out_.nodes[static_cast<size_t>(idx)].outputs;
+    for (size_t j = 0; j < outs.size(); ++j) {
+      if (val(outs[j]).rank() < 3) continue;
+      const int back = emit("sp.all_to_all", {outs[j]},
+                            {{"scatter_dim", int64_t{2}},
+                             {"gather_dim", int64_t{1}},
+                             {"gather_coef", Hq},
+                             {"gather_power", int64_t{0}}},
+                            {{val(outs[j]), Placement::shard(2)}}, n.loc)[0];
+      vmap_[static_cast<size_t>(n.outputs[j])] = back;
+    }
   }
 
   int grad_sync_if_replicated(int v, const SourceLoc& loc) {

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autosp import collectives
 from autosp.bridge import BridgeResult
-from autosp.errors import AutospError
+from autosp.errors import AutospError, at_node
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,12 @@ class _Replayer:
 
     def run(self) -> fx.GraphModule:
         for cn in self.plan.graph.nodes:
-            if cn.origin >= 0:
-                self.copy(cn)
-            else:
-                self.insert(cn)
+            where = self.bridge.fx_nodes[cn.origin] if cn.origin >= 0 else f"the inserted {cn.op} at {cn.loc}"
+            with at_node("apply", where):
+                if cn.origin >= 0:
+                    self.copy(cn)
+                else:
+                    self.insert(cn)
         self.graph.lint()
         gm = fx.GraphModule(self.gm, self.graph)
         gm.meta.update(self.gm.meta)  # Dynamo's facts about the inputs (static params, ...)
@@ -95,7 +97,11 @@ class _Replayer:
     def copy(self, cn: Any) -> None:
         fxn = self.bridge.fx_nodes[cn.origin]
         paths = self.bridge.input_paths[cn.origin]
-        if cn.op == "input":
+        if cn.op == "input" and fxn.op == "get_attr":
+            # A constant or submodule of the graph module (flex_attention's score_mod graph).
+            nn = self.graph.get_attr(fxn.target)
+            nn.meta = copy.copy(fxn.meta)
+        elif cn.op == "input":
             nn = self.graph.placeholder(fxn.name, type_expr=fxn.type)
             nn.meta = copy.copy(fxn.meta)
             ex = fxn.meta.get("example_value")
@@ -132,7 +138,9 @@ class _Replayer:
             else:
                 nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
             nn.meta = copy.copy(fxn.meta)
-            if attrs.get("scale_by_sp", False):
+            if attrs.get("scale_by_sp", False) and "scale_dim" in attrs:
+                nn = self.graph.call_function(collectives.global_size, (nn, attrs["scale_dim"], self.ctx.world))
+            elif attrs.get("scale_by_sp", False):
                 nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
             if attrs.get("clone", False):
                 # A local copy of a replicated computation (a hoisted slice); the original
@@ -176,6 +184,11 @@ class _Replayer:
             # x.view(size) with size = torch.Size([...]) built in the graph (x.size()[:-1] +
             # (n,)): localise the sizes it is built from.
             args[1] = tuple(args[1].args[0])
+        elif len(args) == 2 and isinstance(args[1], fx.Node):
+            # x.reshape(y.shape): a torch.Size value (global, see collectives.global_size);
+            # take it apart to localise its entries.
+            n = len(args[1].meta.get("example_value", args[1].meta.get("val", ())))
+            args[1] = tuple(self.graph.call_function(operator.getitem, (args[1], i)) for i in range(n))
         flat = not (len(args) == 2 and isinstance(args[1], (tuple, list)))
         sizes = list(args[1:]) if flat else list(args[1])
         if not sizes and "size" in kwargs:

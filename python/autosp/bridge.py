@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from autosp import _core
-from autosp.errors import AutospError
+from autosp.errors import AutospError, at_node
 from autosp.ops import is_pointwise
 
 ArgPath = tuple  # ("args", i) | ("args", i, j) | ("kwargs", name) | ("kwargs", name, j)
@@ -219,7 +219,8 @@ class _Converter:
         for node in self.gm.graph.nodes:
             if node.op == "call_function" and node.target is operator.getitem and self._is_tuple_item(node):
                 continue  # an output of a multi-output node; mapped there
-            self.convert(node)
+            with at_node("bridge", node):
+                self.convert(node)
         return self.res
 
     def _find_seq_symbols(self, placeholders: list[fx.Node]) -> None:
@@ -390,6 +391,10 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name in ("size", "sym_size", "dim", "numel", "stride") or (name == "getattr"):
         if name in ("size", "sym_size") and len(node.args) > 1:
             return "sym_size", _tensor_inputs(node, only=[0]), {"dim": _norm(_int(node.args[1]), xr)}
+        if name in ("size", "numel") and _is_tensor_node(x):
+            # x.size() / x.shape (a torch.Size) and x.numel() of a tensor: global on one device,
+            # so the plan must see them (a sharded x reports its local sizes).
+            return "sym_size", _tensor_inputs(node, only=[0]), {"whole": name}
         return "nontensor", [], {}
     if name == "getitem":
         if isinstance(_example(x), torch.Tensor):
@@ -496,6 +501,8 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
             "enable_gqa": bool(node.kwargs.get("enable_gqa", False)),
         }
         return "sdpa", ins, attrs
+    if name == "flex_attention":
+        return _canon_flex(node)
     if name == "cross_entropy":
         ins = []
         for i, k in enumerate(("input", "target", "weight")):
@@ -512,6 +519,34 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name in ("fill_like", "rand_like", "randn_like"):
         return name, _tensor_inputs(node, only=[0]), {}
     return name, _tensor_inputs(node), {}
+
+
+def _reads_head_index(gm: Any, index: int) -> bool:
+    """Whether a score_mod / mask_mod graph reads its head-index argument (placeholder
+    ``index``): under Ulysses each rank runs H/P heads and flex_attention passes the local
+    head index."""
+    if not isinstance(gm, fx.GraphModule):
+        return True  # unknown: assume it does
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return index < len(holders) and len(holders[index].users) > 0
+
+
+def _canon_flex(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
+    """flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_mod_buffers,
+    mask_mod_buffers): q, k and v, then the block mask's tensors, then the mods' buffers."""
+    owner = node.graph.owning_module
+    q_k_v = _tensor_inputs(node, only=[0, 1, 2])
+    block_mask = _tensor_inputs(node, only=[4])
+    buffers = _tensor_inputs(node, only=[7, 8])
+    score_mod = node.args[3] if len(node.args) > 3 else None
+    mask_mod = node.args[4][-1] if len(node.args) > 4 and isinstance(node.args[4], (tuple, list)) else None
+
+    def mod(n: Any) -> Any:
+        return getattr(owner, n.target, None) if isinstance(n, fx.Node) and n.op == "get_attr" else n
+
+    heads = _reads_head_index(mod(score_mod), 2) or (mask_mod is not None and _reads_head_index(mod(mask_mod), 1))
+    return "flex_attention", q_k_v + block_mask + buffers, {
+        "enable_gqa": True, "block_mask_inputs": len(block_mask), "reads_head_index": heads}
 
 
 def _adds_nothing(t: Any, dim: int) -> bool:

@@ -273,6 +273,14 @@ def check_index(ids: torch.Tensor, below: int, where: str) -> torch.Tensor:
     return ids
 
 
+def global_size(size: torch.Size, dim: int, world: int) -> torch.Size:
+    """``x.size()`` of a chunk as the single-device graph sees it: entry ``dim`` (the sharded
+    one) times the SP degree."""
+    out = list(size)
+    out[dim] = out[dim] * world
+    return torch.Size(out)
+
+
 def count_valid(target: torch.Tensor, ignore_index: int, group: str) -> torch.Tensor:
     """The number of targets != ignore_index over the whole SP group."""
     local = (target != ignore_index).sum()
