@@ -244,6 +244,116 @@ RuleResult rule_repeat(const RuleInput& r) {
   return keep_all(r, {Placement::shard(r.in[0].dim + offset, r.in[0].inner)});
 }
 
+// view_as_complex drops the trailing dim of 2 (real, imaginary); view_as_real adds it. A
+// shard in any other dim stays where it is.
+RuleResult rule_complex_view(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  if (r.node.op == "view_as_complex" && r.in[0].dim >= input_value(r, 0).rank() - 1)
+    conflict(r, describe_input(r, 0) + ", sharded in its (real, imaginary) dim",
+             "the sequence in a leading dim");
+  return keep_all(r, {r.in[0]});
+}
+
+// one_hot(idx, n) appends a class dim: a shard stays where it is.
+RuleResult rule_one_hot(const RuleInput& r) { return rule_complex_view(r); }
+
+// scatter / gather / index_select / index_add along `dim`: every tensor operand (input,
+// index, src) lines up with the output outside `dim`, so a shard in another dim passes
+// through, and replicated operands are sliced to the local chunk there. Along the sharded
+// dim the op would move values between ranks' chunks: an error.
+//   scatter(zeros [2*S, 8] S(0), dim=1, idx [2*S, 2] S(0), w [2*S, 2] S(0)) -> S(0)
+RuleResult rule_scatter_gather(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const int s = first_shard(r);
+  if (s < 0) conflict(r, "partial operands", "replicated or sharded operands");
+  const Placement p = r.in[s];
+  const int d = norm_dim(r.node.int_attr("dim", 0), output_value(r, 0).rank());
+  const bool indexes_dim = r.node.op == "index_select" || r.node.op == "index_add" ||
+                           r.node.op == "index_copy" || r.node.op == "index_fill";
+  if (p.dim == d)
+    conflict(r,
+             describe_input(r, s) + ", and the op moves values along the sharded dim " +
+                 std::to_string(d),
+             "a " + r.node.op + " along a dim other than the sharded sequence dim");
+  RuleResult res;
+  res.out.assign(r.node.outputs.size(), p);
+  res.operands.assign(r.in.size(), OperandChange::keep());
+  const Dim& local = output_value(r, 0).shape[static_cast<size_t>(p.dim)];
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (r.node.inputs[i] < 0) continue;
+    const Value& v = input_value(r, i);
+    // index_select / index_add take a 1-D index over `dim`: it stays replicated.
+    if (indexes_dim && i == 1) {
+      if (!r.in[i].is_replicate())
+        conflict(r, describe_input(r, i) + " used as the index", "a replicated index");
+      continue;
+    }
+    if (r.in[i].is_shard() && !(r.in[i] == p))
+      conflict(r, describe_input(r, s) + " and " + describe_input(r, i), "operands sharded alike");
+    if (!r.in[i].is_replicate() || !v.is_tensor()) continue;
+    if (v.rank() != output_value(r, 0).rank() || !(v.shape[static_cast<size_t>(p.dim)] == local))
+      conflict(
+          r,
+          describe_input(r, i) + " whose dim " + std::to_string(p.dim) + " is not " + local.str(),
+          "operands the size of the output along the sharded dim");
+    res.operands[i] = OperandChange::slice(p.dim, p.inner);
+  }
+  return res;
+}
+
+// einsum: the sequence letter is the one a sharded operand has at its sharded dim. Kept in
+// the output, the output is sharded there; contracted, the output is a partial sum. Replicated
+// operands that carry the letter are sliced to the local chunk.
+//   "bsd,de->bse" with S(1), R -> S(1);   "bsd,bse->de" with S(1), S(1) -> P
+RuleResult rule_einsum(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const std::string eq = r.node.str_attr("equation", "");
+  const size_t arrow = eq.find("->");
+  if (arrow == std::string::npos || eq.find('.') != std::string::npos)
+    conflict(r, "equation \"" + eq + "\" on a sequence-sharded operand",
+             "an explicit output (\"->\") and no ellipsis");
+  std::vector<std::string> terms;
+  for (size_t b = 0, e;; b = e + 1) {
+    e = eq.find(',', b);
+    terms.push_back(eq.substr(b, std::min(e, arrow) - b));
+    if (e == std::string::npos || e > arrow) break;
+  }
+  const std::string out_term = eq.substr(arrow + 2);
+  if (terms.size() != r.in.size())
+    conflict(
+        r, std::to_string(terms.size()) + " terms for " + std::to_string(r.in.size()) + " operands",
+        "one term per operand");
+  char letter = 0;
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (!r.in[i].is_shard()) continue;
+    if (r.in[i].inner != 1 || r.in[i].dim >= static_cast<int>(terms[i].size()))
+      conflict(r, describe_input(r, i), "the sequence as a dim of its own");
+    const char c = terms[i][static_cast<size_t>(r.in[i].dim)];
+    if (letter != 0 && c != letter)
+      conflict(r,
+               "operands sharded along different letters ('" + std::string(1, letter) + "' and '" +
+                   std::string(1, c) + "') of \"" + eq + "\"",
+               "one sequence letter",
+               "This looks like attention written by hand; use "
+               "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+    letter = c;
+  }
+  RuleResult res;
+  res.operands.assign(r.in.size(), OperandChange::keep());
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    const size_t k = terms[i].find(letter);
+    if (std::count(terms[i].begin(), terms[i].end(), letter) > 1)
+      conflict(r, "the sequence letter repeated in \"" + terms[i] + "\"", "a letter once per term");
+    if (r.in[i].is_replicate() && k != std::string::npos)
+      res.operands[i] = OperandChange::slice(static_cast<int>(k));
+    if (r.in[i].is_shard() && k != static_cast<size_t>(r.in[i].dim))
+      conflict(r, describe_input(r, i), "operands sharded along the same letter");
+  }
+  const size_t o = out_term.find(letter);
+  res.out = {o == std::string::npos ? Placement::partial() : Placement::shard(static_cast<int>(o))};
+  return res;
+}
+
 RuleResult rule_permute(const RuleInput& r) {
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
   const auto perm = r.node.ints_attr("perm");
@@ -503,6 +613,13 @@ const std::map<std::string, OpRule>& registry() {
     m["permute"] = {rule_permute, PartialBehaviour::Unary};
     m["repeat_interleave"] = {rule_repeat_interleave, PartialBehaviour::Unary};
     m["repeat"] = {rule_repeat, PartialBehaviour::Unary};
+    for (const char* op : {"view_as_complex", "view_as_real"})
+      m[op] = {rule_complex_view, PartialBehaviour::Unary};
+    m["one_hot"] = {rule_one_hot, PartialBehaviour::Reduce};
+    for (const char* op : {"scatter", "scatter_add", "scatter_reduce", "gather", "index_select",
+                           "index_add", "index_copy", "index_fill"})
+      m[op] = {rule_scatter_gather, PartialBehaviour::Reduce};
+    m["einsum"] = {rule_einsum, PartialBehaviour::Reduce};
     m["alias"] = {rule_identity, PartialBehaviour::Unary};
     m["index"] = {rule_index, PartialBehaviour::Reduce};
     m["cat"] = {rule_cat, PartialBehaviour::Reduce};

@@ -450,6 +450,15 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         default = 0
         d = _arg(node, 1 if name == "unbind" else 2, "dim", default)
         return ("split" if name != "unbind" else "unbind"), _tensor_inputs(node, only=[0]), {"dim": _norm(_int(d), xr)}
+    if name == "einsum":
+        equation = node.args[0] if node.args else node.kwargs.get("equation")
+        return "einsum", _tensor_inputs(node), {"equation": str(equation).replace(" ", "")}
+    if name in ("scatter", "scatter_add", "scatter_reduce", "gather", "index_select", "index_add",
+                "index_copy", "index_fill"):
+        # (input, dim, index[, src]): the tensors in order, the dim normalised.
+        return name, _tensor_inputs(node), {"dim": _norm(_int(_arg(node, 1, "dim")), xr)}
+    if name == "one_hot":
+        return "one_hot", _tensor_inputs(node, only=[0]), {}
     if name == "pad":
         pad = _arg(node, 1, "pad")
         return "pad", _tensor_inputs(node, only=[0]), {"pad": [_int(p) if not isinstance(p, fx.Node) else 1 for p in pad]}

@@ -391,6 +391,59 @@ TEST(RepeatRules, RepeatInterleaveAndRepeat) {
   EXPECT_TRUE(contains(rule_error(b, heads, {R, Sh(0)}), "expected replicated repeat counts"));
 }
 
+// Meta's complex RoPE: view_as_complex / view_as_real keep a leading shard.
+TEST(ComplexViewRule, KeepsLeadingShard) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(4), C(8), C(2)}, "f32", "data");
+  const int c = b.op("view_as_complex", {x}, {C(2), S(), C(4), C(8)}, {}, "c64");
+  const int back = b.op("view_as_real", {c}, {C(2), S(), C(4), C(8), C(2)}, {}, "f32");
+  EXPECT_EQ(run_rule(b, c, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, back, {Sh(1)}), (Outcome{{Sh(1)}, {Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, c, {Sh(4)}), "sharded in its (real, imaginary) dim"));
+}
+
+// MoE routing over flattened tokens [2*S, E]: one_hot, scatter and gather along the expert
+// dim keep the token shard; a replicated operand is sliced; along the token dim, an error.
+TEST(ScatterGatherRule, AlongOtherDims) {
+  GraphBuilder b;
+  const int probs = b.input("probs", {S(2), C(8)}, "f32", "data");
+  const int idx = b.input("idx", {S(2), C(2)}, "i64", "data");
+  const int w = b.input("w", {S(2), C(2)}, "f32", "data");
+  const int hot = b.op("one_hot", {idx}, {S(2), C(2), C(8)}, {}, "i64");
+  const int sc = b.op("scatter", {probs, idx, w}, {S(2), C(8)}, {{"dim", int64_t{1}}});
+  const int ga = b.op("gather", {probs, idx}, {S(2), C(2)}, {{"dim", int64_t{1}}});
+  const int tok = b.op("scatter", {probs, idx, w}, {S(2), C(8)}, {{"dim", int64_t{0}}});
+  EXPECT_EQ(run_rule(b, hot, {Sh(0)}), (Outcome{{Sh(0)}, {Keep}}));
+  EXPECT_EQ(run_rule(b, sc, {Sh(0), Sh(0), R}), (Outcome{{Sh(0)}, {Keep, Keep, Slice(0)}}));
+  EXPECT_EQ(run_rule(b, ga, {R, Sh(0)}), (Outcome{{Sh(0)}, {Slice(0), Keep}}));
+  EXPECT_TRUE(
+      contains(rule_error(b, tok, {Sh(0), Sh(0), Sh(0)}), "moves values along the sharded dim 0"));
+  const int table = b.input("table", {C(16), C(8)}, "f32", "buffer");
+  const int rows = b.input("rows", {C(4)}, "i64", "buffer");
+  const int sel = b.op("index_select", {probs, rows}, {S(2), C(4)}, {{"dim", int64_t{1}}});
+  EXPECT_EQ(run_rule(b, sel, {Sh(0), R}), (Outcome{{Sh(0)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, sel, {R, R}), (Outcome{{R}, {Keep, Keep}}));
+  (void)table;
+}
+
+// einsum: the sequence letter kept in the output shards it; contracted, a partial sum; two
+// sequence letters (hand-written attention) are refused.
+TEST(EinsumRule, SequenceLetter) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), S(), C(16)}, "f32", "data");
+  const int w = b.param("w", {C(16), C(4), C(8)});
+  const int pos = b.input("pos", {C(2), S(), C(16)}, "f32", "buffer");
+  const int proj = b.op("einsum", {x, w}, {C(2), C(4), S(), C(8)}, {{"equation", "bsd,dhe->bhse"}});
+  const int gram = b.op("einsum", {x, pos}, {C(16), C(16)}, {{"equation", "bsd,bse->de"}});
+  const int attn = b.op("einsum", {x, x}, {C(2), S(), S()}, {{"equation", "bsd,btd->bst"}});
+  const int implicit = b.op("einsum", {x, w}, {C(2), S(), C(4), C(8)}, {{"equation", "bsd,dhe"}});
+  EXPECT_EQ(run_rule(b, proj, {Sh(1), R}), (Outcome{{Sh(2)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, gram, {Sh(1), R}), (Outcome{{P}, {Keep, Slice(1)}}));
+  EXPECT_EQ(run_rule(b, gram, {Sh(1), Sh(1)}), (Outcome{{P}, {Keep, Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, attn, {Sh(1), Sh(1)}), "sharded along different letters"));
+  EXPECT_TRUE(contains(rule_error(b, implicit, {Sh(1), R}), "expected an explicit output"));
+}
+
 // ---- permute, index ------------------------------------------------------------------------
 
 TEST(PermuteRule, FollowsTheSequenceDim) {
