@@ -373,10 +373,23 @@ RuleResult rule_identity(const RuleInput& r) {
 // sliced_dims (input dims not taken whole).
 RuleResult rule_index(const RuleInput& r) {
   if (r.in.empty() || !r.in[0].is_shard()) {
-    for (size_t i = 1; i < r.in.size(); ++i)
-      if (!r.in[i].is_replicate())
-        conflict(r, describe_input(r, i) + " used as an index", "replicated index tensors");
-    return keep_all(r, all_replicate(r));
+    // A replicated table gathered by a sequence-sharded index tensor (MoE expert weights
+    // picked per token: w[expert_ids]) is sharded like the index, whose dims stand at
+    // index_out in the output: each rank gathers the rows of its own tokens.
+    int sharded = -1;
+    for (size_t i = 1; i < r.in.size(); ++i) {
+      if (r.in[i].is_replicate()) continue;
+      if (!r.in[i].is_shard() || sharded >= 0 || r.in.size() != 2 ||
+          r.node.bool_attr("index_bool", false) || !r.node.has_attr("index_out"))
+        conflict(r, describe_input(r, i) + " used as an index",
+                 "replicated index tensors, or one integer index tensor sharded along the "
+                 "sequence into a replicated tensor");
+      sharded = static_cast<int>(i);
+    }
+    if (sharded < 0) return keep_all(r, all_replicate(r));
+    const Placement p = r.in[static_cast<size_t>(sharded)];
+    return keep_all(
+        r, {Placement::shard(static_cast<int>(r.node.int_attr("index_out", 0)) + p.dim, p.inner)});
   }
   const int d = r.in[0].dim;
   const auto sliced = r.node.ints_attr("sliced_dims");

@@ -264,11 +264,19 @@ class SequenceParallelModule(nn.Module):
             raise internal_error("compile", inner) from inner
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise self._recompile_error(leaves) from e
-        except torch._dynamo.exc.Unsupported as e:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            text = str(e)
+            hint = ""
+            if "data-dependent" in text:
+                hint = (" The model's control flow or shapes depend on tensor values (e.g. looping "
+                        "over the experts a batch hits, or torch.where(mask) in MoE routing); write it "
+                        "with shapes that do not depend on data (for Hugging Face MoE models, "
+                        "experts_implementation=\"batched_mm\" in the config or from_config).")
             raise AutospError(
                 "[autosp:capture] found a graph break (Dynamo could not capture the model in one "
-                f"graph): {str(e).splitlines()[0]}; expected a model that torch.compile(fullgraph=True) "
-                "captures whole. The full Dynamo message follows.\n" + str(e)
+                f"graph): {text.splitlines()[0] if text else type(e).__name__}; expected a model that "
+                f"torch.compile(fullgraph=True) captures whole.{hint} The full Dynamo message "
+                "follows.\n" + text
             ) from None
 
     def _recompile_error(self, leaves: list) -> AutospError:

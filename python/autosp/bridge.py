@@ -628,9 +628,21 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
             expanded.append(it)
     while sum(1 for it in expanded if it is not None) < rank:
         expanded.append(slice(None))
+    # Advanced (tensor) indices: PyTorch puts the dims of their broadcast result where the
+    # first of them stands when they are adjacent, and in front of all dims otherwise. A bool
+    # index consumes as many dims as it has and gives one (its nonzero positions).
+    def is_advanced(it: Any) -> bool:
+        return _is_tensor_node(it) or isinstance(it, (list, tuple))
+
+    adv = [j for j, it in enumerate(expanded) if is_advanced(it)]
+    adv_bool = any(_is_tensor_node(expanded[j]) and _example(expanded[j]).dtype == torch.bool for j in adv)
+    adv_rank = max((1 if not _is_tensor_node(expanded[j]) or _example(expanded[j]).dtype == torch.bool
+                    else _rank(expanded[j]) for j in adv), default=0)
+    adjacent = bool(adv) and adv == list(range(adv[0], adv[-1] + 1))
     dim_map: list[int] = []
     sliced: list[int] = []
-    in_dim, out_dim = 0, 0
+    in_dim, out_dim = 0, (0 if adjacent or not adv else adv_rank)
+    adv_out = 0
     for j, it in enumerate(expanded):
         if it is None:
             out_dim += 1
@@ -646,18 +658,25 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
             dim_map.append(out_dim)
             in_dim += 1
             out_dim += 1
-        elif isinstance(it, (int, fx.Node)) and not _is_tensor_node(it):
+        elif not is_advanced(it):  # an int: the dim goes away
             dim_map.append(-1)
             sliced.append(in_dim)
             in_dim += 1
         else:
-            # Advanced (tensor) indexing: treated as taking the dim apart.
-            dim_map.append(-1)
-            sliced.append(in_dim)
-            in_dim += 1
+            if adjacent and j == adv[0]:
+                adv_out = out_dim
+                out_dim += adv_rank
+            consumed = _rank(it) if _is_tensor_node(it) and _example(it).dtype == torch.bool else 1
+            for _ in range(consumed):
+                dim_map.append(-1)
+                sliced.append(in_dim)
+                in_dim += 1
             if _is_tensor_node(it):
                 inputs.append((it, ("args", 1, j) if isinstance(idx, tuple) else ("args", 1)))
-    return "index", inputs, {"dim_map": dim_map, "sliced_dims": sliced}
+    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced}
+    if adv:
+        attrs.update(index_out=adv_out, index_bool=adv_bool)
+    return "index", inputs, attrs
 
 
 def fx_to_core(gm: fx.GraphModule, example_inputs: list[Any], seq_dim: int = 1) -> BridgeResult:

@@ -492,17 +492,34 @@ TEST(IndexRule, SlicedSequenceDimIsAnError) {
   EXPECT_TRUE(contains(msg, "F.pad(labels, (0, 1), value=-100)[:, 1:]"));
 }
 
-TEST(IndexRule, ShardedIndexTensorIsAnError) {
+// A replicated table gathered by a sharded integer index (MoE: expert weights per token) is
+// sharded like the index; a bool (data-dependent) index, or a sharded index into a sharded
+// tensor (tokens moved between chunks), is refused.
+TEST(IndexRule, ShardedIndexTensor) {
   GraphBuilder b;
   const int table = b.input("table", {C(128), C(64)}, "f32", "buffer");
   const int idx = b.input("idx", {C(2), S()}, "i64", "data");
-  const int y = b.at(5).op(
-      "index", {table, idx}, {C(2), S(), C(64)},
-      {{"dim_map", std::vector<int64_t>{-1, 2}}, {"sliced_dims", std::vector<int64_t>{0}}});
-  const std::string msg = rule_error(b, y, {R, Sh(1)});
-  EXPECT_TRUE(contains(msg,
-                       "op 'index' at model.py:5: found input 1 i64[2, S] placed S(1) used "
-                       "as an index; expected replicated index tensors."));
+  const int y = b.at(5).op("index", {table, idx}, {C(2), S(), C(64)},
+                           {{"dim_map", std::vector<int64_t>{-1, 2}},
+                            {"sliced_dims", std::vector<int64_t>{0}},
+                            {"index_out", int64_t{0}},
+                            {"index_bool", false}});
+  EXPECT_EQ(run_rule(b, y, {R, Sh(1)}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+  const int mask = b.input("mask", {C(128)}, "b8", "data");
+  const int z = b.at(6).op("index", {table, mask}, {Dim::expr("u0"), C(64)},
+                           {{"dim_map", std::vector<int64_t>{-1, 1}},
+                            {"sliced_dims", std::vector<int64_t>{0}},
+                            {"index_out", int64_t{0}},
+                            {"index_bool", true}});
+  EXPECT_TRUE(contains(rule_error(b, z, {R, Sh(0)}),
+                       "op 'index' at model.py:6: found input 1 b8[128] placed S(0) used as an "
+                       "index; expected replicated index tensors, or one integer index tensor"));
+  const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
+  const int tokens = b.at(7).op("index", {x, idx}, {C(2), S(), C(64)},
+                                {{"dim_map", std::vector<int64_t>{-1, -1, 2}},
+                                 {"sliced_dims", std::vector<int64_t>{0, 1}},
+                                 {"index_out", int64_t{0}}});
+  EXPECT_TRUE(contains(rule_error(b, tokens, {Sh(1), Sh(1)}), "indexed or sliced along the sharded"));
 }
 
 // ---- cat, stack, split --------------------------------------------------------------------
