@@ -1,4 +1,4 @@
-"""Op coverage: the pointwise set is torch's own, and hand-written GQA forms are exact.
+"""Op coverage: the pointwise set is torch's own, and hand-written GQA and MQA forms are exact.
 
 The pointwise tests need no process group. The exactness test spawns one Gloo group of 2
 ranks and runs several small models in it, each against the single-device model (loss
@@ -81,6 +81,7 @@ class _Attention(nn.Module):
         elif self.form == "repeat":
             k = k.repeat(1, r, 1, 1)
             v = v.repeat(1, r, 1, 1)
+        # "broadcast": one key/value head that SDPA broadcasts (multi-query attention, Falcon)
         if self.mask:
             causal = torch.tril(torch.ones(S, S, dtype=torch.bool, device=x.device))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
@@ -109,6 +110,7 @@ GQA_CASES = [
     dict(form="repeat_interleave", kv=2, mask=True, act="hardswish"),  # explicit bool mask
     dict(form="expand", kv=1, mask=False, act="expm1"),
     dict(form="repeat", kv=2, mask=False, act="expm1"),
+    dict(form="broadcast", kv=1, mask=False, act="expm1"),
 ]
 
 

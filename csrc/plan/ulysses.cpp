@@ -31,6 +31,7 @@ class PlanBuilder {
 
   SpPlan run() {
     for (const Node& n : in_.nodes) {
+      if (n.has_attr("grad_enabled")) set_grad_mode(n.bool_attr("grad_enabled", true));
       if (n.op == "input")
         emit_input(n);
       else if (n.op == "output")
@@ -133,6 +134,7 @@ class PlanBuilder {
   std::map<int, int> grad_sync_cache_;
   std::map<int, int> reduce_cache_;
   bool hoist_ = true;
+  bool grad_enabled_ = true;
 
   int mapped(int old_id) const { return old_id < 0 ? -1 : vmap_.at(static_cast<size_t>(old_id)); }
   const Value& val(int id) const { return out_.value(id); }
@@ -183,8 +185,20 @@ class PlanBuilder {
     return out_.add_node(std::move(c));
   }
 
+  // torch.no_grad() regions: values made there carry no gradient, so a value cached in one
+  // grad mode is not reused in the other (a parameter's gradient sync emitted in a no_grad
+  // region and reused after it would cut the parameter's gradient), and no sync is needed
+  // inside them.
+  void set_grad_mode(bool enabled) {
+    if (enabled == grad_enabled_) return;
+    grad_enabled_ = enabled;
+    slice_cache_.clear();
+    grad_sync_cache_.clear();
+    reduce_cache_.clear();
+  }
+
   int grad_sync(int v, const SourceLoc& loc) {
-    if (!val(v).requires_grad) return v;
+    if (!val(v).requires_grad || !grad_enabled_) return v;
     auto it = grad_sync_cache_.find(v);
     if (it != grad_sync_cache_.end()) return it->second;
     int id = emit("sp.grad_sync", {v}, {}, {{val(v), Placement::replicate()}}, loc)[0];
@@ -600,7 +614,9 @@ class PlanBuilder {
         throw PlanError(kPass, n, "a heads dim of size " + h.str(), "a static number of heads");
       int64_t H = h.coef;
       if (i > 0 && H != Hq) {
-        if (!n.bool_attr("enable_gqa", false) || Hq % H != 0)
+        // One key/value head broadcasts against every query head (multi-query attention,
+        // as SDPA broadcasts it without enable_gqa): handled as GQA.
+        if ((!n.bool_attr("enable_gqa", false) && H != 1) || Hq % H != 0)
           throw PlanError(
               kPass, n,
               std::to_string(H) + " key/value heads for " + std::to_string(Hq) + " query heads",

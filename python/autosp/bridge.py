@@ -386,6 +386,9 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     x = node.args[0] if node.args else None
     xr = _rank(x)
 
+    if name in ("_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):
+        # The plan needs the grad mode: a gradient sync placed in a no_grad region is lost.
+        return "nontensor", [], {"grad_enabled": node.args[0]}
     if name in _NONTENSOR or (not isinstance(ex, (torch.Tensor, tuple, list)) and not _tensor_inputs(node)):
         return ("sym_arith" if isinstance(ex, (torch.SymInt, int, float)) else "nontensor"), [], {}
     if name in ("size", "sym_size", "dim", "numel", "stride") or (name == "getattr"):

@@ -554,5 +554,29 @@ TEST(UlyssesCrossRank, ScanAndCombine) {
             (std::map<std::string, int>{{"sp.combine", 1}, {"sp.scan", 1}}));
 }
 
+// A parameter first used inside torch.no_grad() (HRM's early cycles): its gradient sync goes
+// where it is used with grad enabled, not into the no_grad region, where the sync's output
+// would carry no gradient and, reused afterwards, cut the parameter's gradient.
+TEST(UlyssesGradMode, NoGradRegionGetsNoGradSync) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int w = b.param("layers.0.weight", {C(8), C(8)});
+  b.symbol("nontensor", {}, {{"grad_enabled", false}});
+  const int y0 = b.op("linear", {x, w}, {C(2), S(), C(8)});
+  b.symbol("nontensor", {}, {{"grad_enabled", true}});
+  const int y1 = b.op("linear", {y0, w}, {C(2), S(), C(8)});
+  const int loss = b.op("sum", {y1}, {});
+  b.output({loss});
+  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2});
+  int no_grad_at = -1, sync_at = -1;
+  for (const Node& n : plan.graph.nodes) {
+    if (n.bool_attr("grad_enabled", true) == false && n.has_attr("grad_enabled")) no_grad_at = n.id;
+    if (n.op == "sp.grad_sync") sync_at = n.id;
+  }
+  ASSERT_GE(sync_at, 0);
+  EXPECT_GT(sync_at, no_grad_at + 2);  // after the no_grad linear and the grad_enabled=true node
+  EXPECT_EQ(plan.collective_counts().at("sp.grad_sync"), 1);
+}
+
 }  // namespace
 }  // namespace autosp
