@@ -74,7 +74,7 @@ def _worker(rank: int, world: int) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_scans_and_poolings_over_the_sequence_are_exact(world: int) -> None:
     for rank, results in enumerate(run_ranks(world, _worker)):
         assert [r["kind"] for r in results[::2]] == list(KINDS)

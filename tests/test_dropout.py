@@ -55,7 +55,7 @@ def _masks_worker(rank: int, world: int, backend: str) -> tuple[torch.Tensor, to
     return out.detach(), ref.detach()
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_each_rank_draws_its_chunk_of_a_full_length_mask(backend: str) -> None:
     (out0, ref), (out1, _) = run_ranks(2, _masks_worker, backend)
     kept0, kept1 = (out0.abs() > 0.01), (out1.abs() > 0.01)

@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, remat: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("remat", ["default", "sequence-aware"])
+@pytest.mark.parametrize("remat", ["default", pytest.param("sequence-aware", marks=pytest.mark.slow)])
 def test_out_of_range_id_fails_on_every_rank(remat: str) -> None:
     messages = run_ranks(2, _worker, remat, timeout=120)
     for rank, msg in enumerate(messages):

@@ -99,6 +99,7 @@ def test_style_exact_world2(name: str) -> None:
     _raise_outcome(2, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _params(WORLD4))
 def test_style_exact_world4(name: str) -> None:
     _raise_outcome(4, name)
