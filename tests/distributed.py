@@ -422,3 +422,29 @@ def reference_loss_and_grads(
     loss = ref(input_ids, labels)
     loss.backward()
     return loss.item(), grads_of(ref)
+
+
+def step_against_reference(model: torch.nn.Module, compiled: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """One step of ``compiled`` (``model`` compiled) and of a copy of ``model`` on one device,
+    on the same arguments: ``{"loss", "ref_loss", "grads", "ref_grads"}``. Both start from
+    cleared gradients; ``model``'s own ``.grad`` fields hold the compiled step's."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    ref_loss = ref(*args)
+    ref_loss.backward()
+    model.zero_grad(set_to_none=True)
+    loss = compiled(*args)
+    loss.backward()
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grads": grads_of(model),
+            "ref_grads": grads_of(ref)}
+
+
+def assert_step_exact(result: Mapping[str, Any], where: str, *, loss_atol: float = 1e-5,
+                      grad_rtol: float = 1e-4) -> None:
+    """The loss within ``loss_atol`` of one device's and every gradient within ``grad_rtol``
+    (max|g - g_ref| / max|g_ref|), for a result of step_against_reference."""
+    diff = abs(result["loss"] - result["ref_loss"])
+    assert diff <= loss_atol, f"{where}: loss {result['loss']!r} vs single-device {result['ref_loss']!r}"
+    assert_grads_close(result["grads"], result["ref_grads"], rtol=grad_rtol, context=where)

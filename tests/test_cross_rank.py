@@ -7,7 +7,6 @@ spawn per world): loss atol 1e-5, every gradient max|g-g_ref|/max|g_ref| <= 1e-4
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed import assert_grads_close, grads_of, run_ranks
+from distributed import assert_step_exact, run_ranks, step_against_reference
 
 
 class _Mixer(nn.Module):
@@ -61,16 +60,8 @@ def _worker(rank: int, world: int) -> list[dict[str, Any]]:
             gen = torch.Generator().manual_seed(step)
             ids = torch.randint(0, 64, (2, seq), generator=gen)
             labels = torch.randint(0, 64, (2, seq), generator=gen)
-            ref = copy.deepcopy(model)
-            ref.zero_grad(set_to_none=True)
-            ref_loss = ref(ids, labels)
-            ref_loss.backward()
-            model.zero_grad(set_to_none=True)
-            loss = compiled(ids, labels)
-            loss.backward()
-            out.append({"kind": kind, "seq": seq, "loss": loss.item(), "ref_loss": ref_loss.item(),
-                        "grads": grads_of(model), "ref_grads": grads_of(ref),
-                        "counts": dict(compiled.last_compile.collective_counts)})
+            r = step_against_reference(model, compiled, ids, labels)
+            out.append(dict(r, kind=kind, seq=seq, counts=dict(compiled.last_compile.collective_counts)))
     return out
 
 
@@ -80,8 +71,7 @@ def test_scans_and_poolings_over_the_sequence_are_exact(world: int) -> None:
         assert [r["kind"] for r in results[::2]] == list(KINDS)
         for r in results:
             where = f"rank {rank} of {world}, {r['kind']} S={r['seq']}"
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, f"{where}: {r['loss']} vs {r['ref_loss']}"
-            assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)
+            assert_step_exact(r, where)
             # The cross-rank step is really there (not a replicated fallback).
             op = "sp.combine" if r["kind"] == "pool" else "sp.scan"
             assert r["counts"].get(op, 0) >= 1, (where, r["counts"])

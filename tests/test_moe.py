@@ -12,12 +12,11 @@ transformers' output capturing, a graph break in torch.compile itself.)
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
-from distributed import assert_grads_close, grads_of, make_batch, run_ranks
+from distributed import assert_step_exact, make_batch, run_ranks, step_against_reference
 
 ARCHS = ("mixtral", "qwen3_moe")
 
@@ -55,14 +54,8 @@ def _worker(rank: int, world: int) -> list[dict[str, Any]]:
         torch._dynamo.reset()
         model = _Loss(_build(arch, "batched_mm"))
         ids, labels = make_batch(128, 2, 32)
-        ref = copy.deepcopy(model)
-        ref_loss = ref(ids, labels)
-        ref_loss.backward()
         compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="default")
-        loss = compiled(ids, labels)
-        loss.backward()
-        out.append({"arch": arch, "loss": loss.item(), "ref_loss": ref_loss.item(), "grads": grads_of(model),
-                    "ref_grads": grads_of(ref)})
+        out.append(dict(step_against_reference(model, compiled, ids, labels), arch=arch))
     torch._dynamo.reset()
     eager = autosp.compile(_Loss(_build("mixtral", "eager")), mesh=mesh, backend="aot_eager")
     try:
@@ -77,9 +70,7 @@ def test_hf_moe_exact_with_batched_experts_and_clear_error_otherwise() -> None:
     for rank, results in enumerate(run_ranks(2, _worker, timeout=400)):
         assert [r["arch"] for r in results] == [*ARCHS, "mixtral-eager"]
         for r in results[:-1]:
-            where = f"rank {rank} {r['arch']}"
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, (where, r["loss"], r["ref_loss"])
-            assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)
+            assert_step_exact(r, f"rank {rank} {r['arch']}")
         err = results[-1]["error"]
         assert err is not None and err.startswith("[autosp:capture] found a graph break"), err
         assert 'experts_implementation="batched_mm"' in err, err

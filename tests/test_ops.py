@@ -7,7 +7,6 @@ atol 1e-5, every gradient max|g-g_ref|/max|g_ref| <= 1e-4).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autosp.ops import UNTAGGED_POINTWISE, aten_pointwise_ops, is_pointwise
-from distributed import assert_grads_close, grads_of, run_ranks
+from distributed import assert_step_exact, run_ranks, step_against_reference
 
 
 def test_pointwise_set_is_torchs() -> None:
@@ -126,19 +125,12 @@ def _gqa_worker(rank: int, world: int) -> list[dict[str, Any]]:
         ids = torch.randint(0, 64, (2, 32))
         labels = torch.randint(0, 64, (2, 32))
         labels[0, 5:9] = -100
-        ref = copy.deepcopy(model)
-        ref_loss = ref(ids, labels)
-        ref_loss.backward()
-        loss = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="default")(ids, labels)
-        loss.backward()
-        out.append({"case": kw, "loss": loss.item(), "ref_loss": ref_loss.item(),
-                    "grads": grads_of(model), "ref_grads": grads_of(ref)})
+        compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="default")
+        out.append(dict(step_against_reference(model, compiled, ids, labels), case=kw))
     return out
 
 
 def test_hand_written_gqa_forms_are_exact() -> None:
     for rank, results in enumerate(run_ranks(2, _gqa_worker)):
         for r in results:
-            where = f"rank {rank} {r['case']}"
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, where
-            assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)
+            assert_step_exact(r, f"rank {rank} {r['case']}")

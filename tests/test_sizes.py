@@ -9,14 +9,13 @@ factory) and ``x.numel()`` must all give what one device gives. Before this was 
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed import assert_grads_close, grads_of, run_ranks
+from distributed import assert_step_exact, run_ranks, step_against_reference
 
 
 class _SizesLM(nn.Module):
@@ -60,15 +59,7 @@ def _worker(rank: int, world: int) -> list[dict[str, Any]]:
             ids = torch.randint(0, 32, (2, seq), generator=gen)
             labels = torch.randint(0, 32, (2, seq), generator=gen)
             labels[0, 3:7] = -100
-            ref = copy.deepcopy(model)
-            ref.zero_grad(set_to_none=True)
-            ref_loss = ref(ids, labels)
-            ref_loss.backward()
-            model.zero_grad(set_to_none=True)
-            loss = compiled(ids, labels)
-            loss.backward()
-            out.append({"form": form, "seq": seq, "loss": loss.item(), "ref_loss": ref_loss.item(),
-                        "grads": grads_of(model), "ref_grads": grads_of(ref)})
+            out.append(dict(step_against_reference(model, compiled, ids, labels), form=form, seq=seq))
     return out
 
 
@@ -77,5 +68,4 @@ def test_sizes_of_sharded_tensors_are_global() -> None:
         assert len(results) == 2 * len(FORMS)
         for r in results:
             where = f"rank {rank} {r['form']} S={r['seq']}"
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, f"{where}: {r['loss']} vs {r['ref_loss']}"
-            assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)
+            assert_step_exact(r, where)
