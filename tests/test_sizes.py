@@ -2,9 +2,9 @@
 
 A chunk reports its local sizes at run time, while the graph was traced with the global
 ones. ``x.size(d)``, ``x.size()`` / ``x.shape`` (a torch.Size passed to reshape or a
-factory) and ``x.numel()`` must all give what one device gives. Before this was handled,
-``x.sum() / x.numel()`` on a sharded x was silently P times the single-device value, and
-``ce.reshape(labels.shape)`` crashed inside autosp.
+factory) and ``x.numel()`` must all give what one device gives. Before the plan scaled a
+whole ``x.size()``, ``ce.reshape(labels.shape)`` and ``y.view(saved_shape)`` crashed inside
+autosp (the generated models and OPT / Aria in the zoo).
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ class _SizesLM(nn.Module):
         if self.form == "zeros_shape":  # a factory from a sharded tensor's shape
             bias = torch.zeros(h.shape, dtype=h.dtype) + 0.5
             return F.cross_entropy(self.head(h + bias).flatten(0, 1), labels.flatten())
+        if self.form == "view_saved_shape":  # OPT, Aria: view(x.shape) after a flattened op
+            shape = h.shape
+            h = self.head.weight[:, :1].sum() + torch.tanh(h.view(-1, h.size(-1))).view(shape)
+            return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
         raise ValueError(self.form)
 
 
-FORMS = ("numel", "reshape_shape", "zeros_shape")
+FORMS = ("numel", "reshape_shape", "zeros_shape", "view_saved_shape")
 
 
 def _worker(rank: int, world: int) -> list[dict[str, Any]]:

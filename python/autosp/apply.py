@@ -138,10 +138,14 @@ class _Replayer:
             else:
                 nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
             nn.meta = copy.copy(fxn.meta)
-            if attrs.get("scale_by_sp", False) and "scale_dim" in attrs:
-                nn = self.graph.call_function(collectives.global_size, (nn, attrs["scale_dim"], self.ctx.world))
-            elif attrs.get("scale_by_sp", False):
-                nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
+            if attrs.get("scale_by_sp", False):
+                # The global size(s) stand for the original node: same meta (its example value
+                # is the single-device size, which later size arguments are read from).
+                if "scale_dim" in attrs:
+                    nn = self.graph.call_function(collectives.global_size, (nn, attrs["scale_dim"], self.ctx.world))
+                else:
+                    nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
+                nn.meta = copy.copy(fxn.meta)
             if attrs.get("clone", False):
                 # A local copy of a replicated computation (a hoisted slice); the original
                 # FX node keeps its own copy.
