@@ -599,6 +599,23 @@ RuleResult rule_layer_norm(const RuleInput& r) {
 
 RuleResult rule_factory(const RuleInput& r) { return keep_all(r, all_replicate(r)); }
 
+// x.new_empty(size) (new_zeros, new_ones, new_full) from a sharded x, with the sequence where
+// x has it: the values do not depend on the position, so each rank allocates its chunk
+// (local_dims), and in-place writes of sharded values into it (MLA's key buffer:
+// k.new_empty(...)[..., :n].copy_(k_nope)) stay on the rank. Otherwise replicated.
+RuleResult rule_new_factory(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Placement p = r.in[0];
+  const Value& x = input_value(r, 0);
+  const Value& out = output_value(r, 0);
+  if (out.rank() != x.rank() ||
+      !(out.shape[static_cast<size_t>(p.dim)] == x.shape[static_cast<size_t>(p.dim)]))
+    return keep_all(r, all_replicate(r));
+  RuleResult res = keep_all(r, {p});
+  res.attr_updates["local_dims"] = std::vector<int64_t>{p.dim};
+  return res;
+}
+
 const std::map<std::string, OpRule>& registry() {
   static const std::map<std::string, OpRule> rules = [] {
     std::map<std::string, OpRule> m;
@@ -648,8 +665,11 @@ const std::map<std::string, OpRule>& registry() {
     m["embedding"] = {rule_embedding, PartialBehaviour::Reduce};
     m["sym_size"] = {rule_sym_size, PartialBehaviour::Reduce};
     for (const char* op : {"arange", "full", "zeros", "ones", "empty", "rand", "randn", "randint",
-                           "new_full", "nontensor", "sym_arith"})
+                           "nontensor", "sym_arith"})
       m[op] = {rule_factory, PartialBehaviour::Reduce};
+    m["new_full"] = {rule_new_factory, PartialBehaviour::Reduce};
+    // copy_(dst, src): dst takes src's values elementwise (aten.copy carries no pointwise tag).
+    m["copy"] = {rule_elementwise, PartialBehaviour::Reduce};
     return m;
   }();
   return rules;

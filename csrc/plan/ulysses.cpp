@@ -106,7 +106,11 @@ class PlanBuilder {
     std::vector<bool> dead(out_.nodes.size(), false);
     for (size_t i = out_.nodes.size(); i-- > 0;) {
       const Node& n = out_.nodes[i];
-      if (n.op == "input" || n.op == "output" || n.op == "nontensor" || n.outputs.empty()) continue;
+      // In-place ops write into a tensor that may be read through another name (a view's
+      // base): never dead.
+      if (n.op == "input" || n.op == "output" || n.op == "nontensor" || n.outputs.empty() ||
+          n.bool_attr("inplace", false))
+        continue;
       bool all_tensors = true;
       for (int o : n.outputs) all_tensors = all_tensors && out_.value(o).is_tensor();
       if (!all_tensors) continue;  // symbols feed size arguments the core does not see
@@ -446,6 +450,16 @@ class PlanBuilder {
     } else {
       res = call_rule(*rule, n, ins);
     }
+    // An in-place op writes into its first operand: it must not be a sliced copy of a
+    // replicated tensor (the write would miss the tensor, and any view of it, read later).
+    if (n.bool_attr("inplace", false) && !res.operands.empty() &&
+        res.operands[0].kind != OperandChange::Kind::Keep)
+      throw PlanError(kPass, n,
+                      "an in-place '" + n.op + "' into a replicated " +
+                          shape_str(val(ins[0]).shape) + " from sequence-sharded values",
+                      "a destination sharded like the values written into it",
+                      "Allocate the destination from a sharded tensor (x.new_empty(...), "
+                      "torch.zeros_like(x)) or compute the result out of place.");
     if (res.expansion == "mean_partial") {
       emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
       return;

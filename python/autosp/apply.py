@@ -62,7 +62,8 @@ def _set_path(args: list, kwargs: dict, path: tuple, value: Any) -> None:
     cont[rest[-1]] = value
 
 
-_SIZE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to"}
+_SIZE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_empty", "new_zeros", "new_ones",
+                     "new_full"}
 
 
 class _Replayer:
@@ -184,6 +185,9 @@ class _Replayer:
         if name not in _SIZE_ARG_METHODS:
             return args, kwargs  # sizes come from the (local) input itself
         args = list(args)
+        tail: list = []
+        if name == "new_full":  # new_full(size, fill_value, ...): only the size is localised
+            args, tail = args[:2], args[2:]
         if len(args) == 2 and isinstance(args[1], fx.Node) and args[1].target is torch.Size:
             # x.view(size) with size = torch.Size([...]) built in the graph (x.size()[:-1] +
             # (n,)): localise the sizes it is built from.
@@ -214,7 +218,7 @@ class _Replayer:
             args = [args[0]] + sizes
         else:
             args = [args[0], type(args[1])(sizes)]
-        return tuple(args), kwargs
+        return tuple(list(args) + tail), kwargs
 
     # -- inserted SP ops -----------------------------------------------------------------
     def insert(self, cn: Any) -> None:

@@ -49,7 +49,6 @@ _ALIASES = {
     "zeros_like": "fill_like", "ones_like": "fill_like", "full_like": "fill_like",
     "empty_like": "fill_like",
     "new_zeros": "new_full", "new_ones": "new_full", "new_empty": "new_full",
-    "new_tensor": "new_full",
     # In-place operators (x /= y) compute what their out-of-place forms do.
     "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "ifloordiv": "floor_divide",
     "imod": "remainder", "ipow": "pow", "iand": "bitwise_and", "ior": "bitwise_or",
@@ -526,8 +525,12 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
             "reduction": str(_arg(node, 6, "reduction", "mean")),
             "ignore_index": _int(_arg(node, 4, "ignore_index", -100)),
         }
-    if name in _FACTORIES or name == "new_full":
-        return ("new_full" if name == "new_full" else name), [], {}
+    if name == "new_full" and _is_tensor_node(x):
+        # x.new_empty(size) / new_zeros / new_ones / new_full: values that do not depend on the
+        # position, so the core may allocate them sharded like x (MLA's key buffer).
+        return "new_full", _tensor_inputs(node, only=[0]), {}
+    if name in _FACTORIES or name in ("new_full", "new_tensor"):
+        return ("new_full" if name in ("new_full", "new_tensor") else name), [], {}
     if name in ("fill_like", "rand_like", "randn_like"):
         return name, _tensor_inputs(node, only=[0]), {}
     return name, _tensor_inputs(node), {}
