@@ -553,6 +553,11 @@ RuleResult rule_matmul(const RuleInput& r) {
 RuleResult rule_embedding(const RuleInput& r) {
   if (r.in.size() > 1 && !r.in[1].is_replicate())
     conflict(r, describe_input(r, 1) + " (the embedding table)", "a replicated table");
+  if (r.node.bool_attr("max_norm", false))
+    conflict(r, "an embedding with max_norm (it renormalises, in the table, the rows the ids hit)",
+             "an embedding without max_norm",
+             "Each rank would renormalise only the rows its chunk of the sequence uses, and the "
+             "ranks' tables would drift apart.");
   if (r.in[0].is_shard()) return keep_all(r, {r.in[0]});
   // The sequence is sharded here: the ids are sliced to the local chunk, so the large
   // activation is never materialised at full length.

@@ -500,7 +500,11 @@ class PlanBuilder {
     // The local reduction is one per-rank term of the combined result, which sp.combine
     // reduces with the op itself (not a sum); the plan prints it as P.
     const Placement local = scan ? placement(ins[0]) : Placement::partial();
-    const int idx = copy_node(n, ins, {local}, {});
+    // A chunk whose elements are all -inf has a local logsumexp of -inf, whose backward is NaN
+    // (one device never forms it): the local step is a guarded logsumexp.
+    Attrs local_attrs;
+    if (!scan && n.op == "logsumexp") local_attrs["guarded_logsumexp"] = true;
+    const int idx = copy_node(n, ins, {local}, local_attrs);
     const int y = out_.nodes[static_cast<size_t>(idx)].outputs[0];
     Attrs attrs{{"op", n.op}};
     if (scan) attrs["dim"] = int64_t{local.dim};
@@ -590,6 +594,10 @@ class PlanBuilder {
       copy_node(n, ins, {Placement::replicate()}, {});
       return;
     }
+    if (n.op == "sdpa" && n.has_attr("dropout_p"))
+      throw PlanError(kPass, n, "attention dropout (dropout_p > 0)", "dropout_p=0 under Ulysses",
+                      "Each rank runs H/P heads and would draw its attention-dropout mask from the "
+                      "same random state as every other rank; apply dropout outside attention.");
     // A copy: emit() below appends to the value table, which would leave a reference dangling.
     const Value q = val(ins[0]);
     if (q.rank() != 4)
@@ -677,9 +685,13 @@ class PlanBuilder {
                         "a replicated (full-length) mask",
                         "Build the mask from full-length positions (as single-device code does).");
       const Value& m = val(args[i]);
-      if (i < per_head_end && m.rank() >= 2 && m.shape[1].is_static() && m.shape[1].coef == Hq &&
-          Hq > 1)
-        args[i] = slice(args[i], 1, 1, n.loc);
+      // The heads dim: dim 1 of flex's block mask tensors ([B, H, blocks...]); for an SDPA mask,
+      // which broadcasts against [B, H, S, S] from the right, the third dim from the end.
+      const int hd = flex ? 1 : m.rank() - 3;
+      if (i < per_head_end && hd >= 0 && hd < m.rank() &&
+          m.shape[static_cast<size_t>(hd)].is_static() &&
+          m.shape[static_cast<size_t>(hd)].coef == Hq && Hq > 1)
+        args[i] = slice(args[i], hd, 1, n.loc);
     }
     const Dim seq = q.shape[2];
     auto exchange_group = [&](std::vector<int> positions) {

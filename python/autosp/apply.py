@@ -136,6 +136,8 @@ class _Replayer:
                 return
             if "random_dim" in attrs:
                 nn = self.sharded_random(cn, args, kwargs)
+            elif attrs.get("guarded_logsumexp", False):
+                nn = self.graph.call_function(collectives.guarded_logsumexp, tuple(args), kwargs)
             else:
                 nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
             nn.meta = copy.copy(fxn.meta)
@@ -175,7 +177,8 @@ class _Replayer:
         x = args[0] if args else kwargs.pop("input")
         if cn.op == "dropout":
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            # F.dropout(input, p, training) / torch.dropout(input, p, train)
+            training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
             return self.graph.call_function(collectives.sharded_dropout, (x, p, training) + where)
         extra = {k: v for k, v in kwargs.items() if k in ("dtype", "device", "layout")}
         return self.graph.call_function(collectives.sharded_random_like, (x, cn.op) + where, extra)

@@ -10,6 +10,7 @@ The bridge only translates; every decision about placements is the core's.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 import re
@@ -78,12 +79,24 @@ class BridgeResult:
 
 
 def _is_inplace(node: fx.Node) -> bool:
+    """x.add_(y), torch.relu_(x), x += y, and functional ops called with inplace=True
+    (F.relu(x, inplace=True), F.dropout(x, p, True, True)): they write into their first
+    operand."""
     t = node.target
     if isinstance(t, str):
         return t.endswith("_") and not t.startswith("_")
     name = getattr(t, "__name__", "")
-    return getattr(t, "__module__", "") in ("_operator", "operator") and name.startswith("i") and name in (
-        "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior")
+    if getattr(t, "__module__", "") in ("_operator", "operator"):
+        return name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior")
+    if name.endswith("_") and not name.startswith("_"):
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(t).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, or not bindable
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def _target_name(node: fx.Node) -> str:
@@ -496,7 +509,11 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name == "matmul":
         return "matmul", _tensor_inputs(node), {}
     if name == "embedding":
-        return "embedding", _tensor_inputs(node, only=[0, 1], kw=["input", "weight"]), {}
+        # max_norm renormalises the rows the ids hit, in place in the table: each rank would
+        # renormalise only the rows its chunk uses.
+        max_norm = _arg(node, 3, "max_norm")
+        return "embedding", _tensor_inputs(node, only=[0, 1], kw=["input", "weight"]), (
+            {"max_norm": True} if max_norm is not None else {})
     if name == "sdpa":
         ins: list[tuple[fx.Node | None, ArgPath]] = []
         for i, k in enumerate(("query", "key", "value", "attn_mask")):
@@ -511,6 +528,9 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
             "is_causal": bool(_arg(node, 5, "is_causal", False)),
             "enable_gqa": bool(node.kwargs.get("enable_gqa", False)),
         }
+        dropout_p = _arg(node, 4, "dropout_p", 0.0)
+        if isinstance(dropout_p, fx.Node) or float(dropout_p) != 0.0:
+            attrs["dropout_p"] = 1.0 if isinstance(dropout_p, fx.Node) else float(dropout_p)
         return "sdpa", ins, attrs
     if name == "flex_attention":
         return _canon_flex(node)

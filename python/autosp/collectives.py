@@ -242,6 +242,21 @@ def _reduce_stacked(g: torch.Tensor, op: str) -> torch.Tensor:
     raise AssertionError(f"no cross-rank combination for {op}")
 
 
+def guarded_logsumexp(x: torch.Tensor, dim: Any, keepdim: bool = False) -> torch.Tensor:
+    """``torch.logsumexp`` of a chunk, with the sum of exponentials kept above the smallest
+    normal number: a chunk whose elements are all -inf gives about -87 (fp32) instead of -inf,
+    which changes the combined result by about exp(-87) relative, and its gradient is 0
+    instead of NaN."""
+    m = x.detach().amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = torch.exp(x - m).sum(dim=dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    out = total.log() + m
+    if not keepdim:
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        out = out.squeeze(tuple(d % x.dim() for d in dims))
+    return out
+
+
 def combine(x: torch.Tensor, op: str, group: str, rank: int) -> torch.Tensor:
     """The reduction ``op`` over the whole sequence, from each rank's reduction of its chunk
     (max of maxima, logsumexp of logsumexps, product of products)."""
