@@ -388,7 +388,10 @@ TEST(RepeatRules, RepeatInterleaveAndRepeat) {
                        "expected an int repeat count along the sequence dim"));
   EXPECT_TRUE(
       contains(rule_error(b, flat, {Sh(2)}), "flattened by repeat_interleave without a dim"));
-  EXPECT_TRUE(contains(rule_error(b, heads, {R, Sh(0)}), "expected replicated repeat counts"));
+  const int heads_by_tensor =
+      b.op("repeat_interleave", {k, reps}, {C(2), C(4), S(), C(16)}, {{"dim", int64_t{1}}});
+  EXPECT_TRUE(
+      contains(rule_error(b, heads_by_tensor, {R, Sh(0)}), "expected replicated repeat counts"));
 }
 
 // Meta's complex RoPE: view_as_complex / view_as_real keep a leading shard.
@@ -519,7 +522,8 @@ TEST(IndexRule, ShardedIndexTensor) {
                                 {{"dim_map", std::vector<int64_t>{-1, -1, 2}},
                                  {"sliced_dims", std::vector<int64_t>{0, 1}},
                                  {"index_out", int64_t{0}}});
-  EXPECT_TRUE(contains(rule_error(b, tokens, {Sh(1), Sh(1)}), "indexed or sliced along the sharded"));
+  EXPECT_TRUE(
+      contains(rule_error(b, tokens, {Sh(1), Sh(1)}), "indexed or sliced along the sharded"));
 }
 
 // ---- cat, stack, split --------------------------------------------------------------------
