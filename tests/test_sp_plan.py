@@ -117,13 +117,13 @@ class HandWrittenAttention(nn.Module):
         return (scores.softmax(-1) @ v).sum()
 
 
-class CumsumOverSequence(nn.Module):
+class SoftmaxOverSequence(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(32, 16)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.emb(ids).cumsum(dim=1).sum()  # CUMSUM_LINE
+        return (self.emb(ids).softmax(dim=1) * self.emb(ids)).sum()  # ALONG_S_LINE
 
 
 class ShiftedLogits(nn.Module):
@@ -181,7 +181,7 @@ def _errors_worker(rank: int, world: int) -> dict[str, str]:
     out: dict[str, str] = {}
     cases = {
         "attention": (HandWrittenAttention(), (ids,)),
-        "cumsum": (CumsumOverSequence(), (ids,)),
+        "along_s": (SoftmaxOverSequence(), (ids,)),
         "shift": (ShiftedLogits(), (ids, ids.clone())),
         "graph_break": (GraphBreak(), (ids,)),
     }
@@ -218,9 +218,9 @@ def test_errors_name_pass_op_line_and_numbers() -> None:
     assert f"{here}:{_line_of('# ATTN_LINE')}" in msg, msg
     assert "scaled_dot_product_attention" in msg and "found" in msg and "expected" in msg, msg
 
-    msg = out["cumsum"]
-    assert msg.startswith("AutospError: [autosp:placement] op 'cumsum'"), msg
-    assert f"{here}:{_line_of('# CUMSUM_LINE')}" in msg, msg
+    msg = out["along_s"]  # (a cumsum along S is exact now: tests/test_cross_rank.py)
+    assert msg.startswith("AutospError: [autosp:placement] op 'softmax'"), msg
+    assert f"{here}:{_line_of('# ALONG_S_LINE')}" in msg, msg
     assert "dim 1" in msg, msg
 
     msg = out["shift"]

@@ -501,7 +501,9 @@ class _RotaryInDtype(torch.nn.Module):
         self.rotary = rotary
         self.dtype = dtype
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, position_ids: torch.Tensor,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The model asks for its activations' dtype; the planner's dtype is that one.
         cos, sin = self.rotary(position_ids)
         return cos.to(self.dtype), sin.to(self.dtype)
 
