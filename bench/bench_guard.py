@@ -15,22 +15,21 @@ check only on the first call and when the input shapes change. Nothing is assert
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-import autosp
-from autosp import guard
-from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import autosp  # noqa: E402
+from autosp import guard  # noqa: E402
+from launch import bench_main, timed  # noqa: E402
+from autosp.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -49,24 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _relaunch(argv: list[str], nproc: int) -> int:
-    rank_args = [a for i, a in enumerate(argv)
-                 if not a.startswith("--nproc") and (i == 0 or argv[i - 1] != "--nproc")]
-    env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(Path(__file__).resolve()), *rank_args]
-    return subprocess.run(cmd, env=env, check=False).returncode
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -94,12 +77,12 @@ def run(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {"always": [], "never": []}
     for i in range(args.warmup + args.iters):
         for mode in ("always", "never") if i % 2 == 0 else ("never", "always"):
-            t = _timed(lambda: step(mode))
+            t = timed(lambda: step(mode))
             if i >= args.warmup:
                 times[mode].append(t)
     check = models["always"].input_guard
     leaves = guard.flatten_inputs((ids, labels), {}, check.names)
-    check_times = [_timed(lambda: check.check(leaves)) for _ in range(args.iters)]
+    check_times = [timed(lambda: check.check(leaves)) for _ in range(args.iters)]
     if dist.get_rank() == 0:
         always, never = statistics.median(times["always"]), statistics.median(times["never"])
         print(f"world {world}, S {args.seq}, batch {args.batch}, hidden {args.hidden}, layers {args.layers}, "
@@ -110,17 +93,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"the check alone:                   {statistics.median(check_times) * 1e3:9.2f} ms")
 
 
+
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv_list)
-    if "RANK" not in os.environ:
-        return _relaunch(argv_list, args.nproc)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    try:
-        run(args)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return bench_main(str(Path(__file__).resolve()), argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -26,15 +26,12 @@ No absolute number is asserted: this is a measurement, not a test.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from launch import bench_main, max_over_ranks, timed  # noqa: E402
 from ulysses_handwritten import UlyssesLlamaForCausalLM, sync_sp_grads  # noqa: E402
 
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -84,23 +82,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _relaunch(argv: list[str], nproc: int) -> int:
-    # --nproc is ours alone, and torchrun would reject it as an ambiguous prefix.
-    rank_args: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            rank_args.append(arg)
-    env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(Path(__file__).resolve()), *rank_args]
-    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def make_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,30 +112,10 @@ def saved_activation_bytes(model: nn.Module, step: Callable[[], torch.Tensor]) -
     return sum(saved.values())
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return _max_over_ranks(time.perf_counter() - start)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv_list)
-    if "RANK" not in os.environ:
-        return _relaunch(argv_list, args.nproc)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    try:
-        run(args)
-    finally:
-        dist.destroy_process_group()
-    return 0
 
 
 def run(args: argparse.Namespace) -> None:
@@ -207,15 +168,15 @@ def run(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             loss = iteration(name)
             if i == 0:
-                compile_s[name] = _max_over_ranks(time.perf_counter() - start)
+                compile_s[name] = max_over_ranks(time.perf_counter() - start)
                 first_loss[name] = loss.item()
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.iters):
         for name in steps:  # alternate, so drift in the machine hits both alike
-            times[name].append(_timed(lambda: iteration(name)))
+            times[name].append(timed(lambda: iteration(name)))
 
-    saved = {name: _max_over_ranks(saved_activation_bytes(models[name], steps[name]))
+    saved = {name: max_over_ranks(saved_activation_bytes(models[name], steps[name]))
              for name in steps}
 
     single_eager = single_compiled = None
@@ -258,6 +219,11 @@ def run(args: argparse.Namespace) -> None:
     print("saved bytes: storages saved for backward (saved_tensors_hooks), deduplicated, "
           "parameters excluded; '/ SP=1' is against SP=1 compiled with the same backend "
           "(eager when the hand-written model runs eagerly). Ideal SP=P ratio ~ 1/P.")
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return bench_main(str(Path(__file__).resolve()), argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,16 @@ class ZooResult:
     seconds: float | None = None
 
 
+def _skip_reason(e: Exception) -> str:
+    """Why an architecture that failed to build cannot be tried."""
+    if isinstance(e, ImportError):
+        return f"needs an extra package: {_first_line(e)}"
+    msg = _first_line(e)
+    if "sdpa" in msg.lower() or "scaled_dot_product" in msg.lower():
+        return f"SDPA unsupported: {msg}"
+    return f"cannot be built tiny: {type(e).__name__}: {msg}"
+
+
 def precheck(model_type: str, class_name: str, seq_len: int = SEQ_LEN) -> str | None:
     """None if the plain tiny model builds and trains one step on this CPU, else the reason
     to skip the architecture."""
@@ -244,22 +254,12 @@ def precheck(model_type: str, class_name: str, seq_len: int = SEQ_LEN) -> str | 
         del meta
         if n_params > MAX_PARAMS:
             return f"not tiny after the overrides: {n_params / 1e6:.1f}M parameters"
-    except ImportError as e:
-        return f"needs an extra package: {_first_line(e)}"
     except Exception as e:  # noqa: BLE001
-        msg = _first_line(e)
-        if "sdpa" in msg.lower() or "scaled_dot_product" in msg.lower():
-            return f"SDPA unsupported: {msg}"
-        return f"cannot be built tiny: {type(e).__name__}: {msg}"
+        return _skip_reason(e)
     try:
         model = build_model(model_type, class_name)
-    except ImportError as e:
-        return f"needs an extra package: {_first_line(e)}"
     except Exception as e:  # noqa: BLE001
-        msg = _first_line(e)
-        if "sdpa" in msg.lower() or "scaled_dot_product" in msg.lower():
-            return f"SDPA unsupported: {msg}"
-        return f"cannot be built tiny: {type(e).__name__}: {msg}"
+        return _skip_reason(e)
     if not any(isinstance(m, torch.nn.Module) for m in model.modules()):
         return "no modules"
     input_ids, labels = make_batch(VOCAB, BATCH_SIZE, seq_len, BATCH_SEEDS[0])
