@@ -415,6 +415,39 @@ class ShiftInsideLM(DecoderLM):
         return loss_fct(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
 
 
+class MultiTokenShiftLM(DecoderLM):
+    """Shifts inside, three ways at once: next-token CE on logits[:, :-1] (the mean counted
+    by hand from shift_logits.size(1)), a second head predicting two tokens ahead
+    (logits2[:, :-2] against labels[:, 2:]), and a smoothness penalty on neighbouring hidden
+    states (h[:, 1:] - h[:, :-1], which needs the next rank's first position)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layers=1)
+        self.head2 = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.embed(input_ids))
+        logits = self.head(h)
+        shift_logits = logits[:, :-1, :]
+        B, n = shift_logits.size(0), shift_logits.size(1)
+        ce = F.cross_entropy(shift_logits.reshape(B * n, -1), labels[:, 1:].reshape(-1),
+                             reduction="sum", ignore_index=-100) / (B * n)
+        logits2 = self.head2(h)[:, :-2]
+        ce2 = F.cross_entropy(logits2.flatten(0, 1), labels[:, 2:].flatten())
+        smooth = (h[:, 1:] - h[:, :-1]).pow(2).mean()
+        return ce + 0.5 * ce2 + 0.1 * smooth
+
+
+class ShiftedAttentionLM(DecoderLM):
+    """Attention over h[:, 1:] (S - 1 positions): refused, since Ulysses needs the sequence
+    split evenly."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)[:, 1:]
+        logits = self.head(self.body(h))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
 # ======================================================================================
 # 4. Bidirectional encoder (BERT-like, post-norm): [B, S] padding mask turned into a
 # [B, 1, 1, S] boolean key mask; masked-mean loss over the non-pad tokens.
@@ -781,6 +814,8 @@ EXTRA: list[Style] = [
     Style("softcap-zloss", lambda: ZLossSoftcapLM(n_layers=1), ids_labels),
     Style("nn-multihead-attention", lambda: MHAModuleLM(), ids_labels),
     Style("causal-conv1d-mixer", lambda: CausalConvLM(), ids_labels),
+    Style("shift-inside-multi-token", lambda: MultiTokenShiftLM(), ids_labels),
+    Style("shift-before-attention", lambda: ShiftedAttentionLM(), ids_labels),
     Style("bf16-autocast", lambda: Bf16AutocastLM(n_layers=1), ids_labels,
           loss_atol=2e-2, grad_rtol=5e-2),
 ]

@@ -32,8 +32,6 @@ def _xfail(reason: str) -> pytest.MarkDecorator:
 
 # The exact refusal each failing style meets today (the first line of the AutospError).
 XFAIL = {
-    "shift-inside": "[autosp:placement] op 'index' (operator.getitem) logits[..., :-1, :]: "
-    "indexed or sliced along the sharded sequence dim 1 (shifting logits is refused)",
     "moe-index-add-aux": "[autosp:ulysses] op 'one_hot' found input 0 placed S(0) "
     "([2*S, 2]); no rule for 'one_hot' on a sequence-sharded tensor",
 }
@@ -43,6 +41,7 @@ XFAIL = {
 REFUSED = {
     "nn-multihead-attention": "multi_head_attention_forward",
     "causal-conv1d-mixer": "conv1d",
+    "shift-before-attention": "sdpa",
 }
 
 WORLD4 = [s.name for s in styles.LISTED]

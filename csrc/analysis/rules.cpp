@@ -105,7 +105,7 @@ RuleResult rule_random(const RuleInput& r) {
   if (res.out.empty() || !res.out[0].is_shard()) return res;
   const Placement p = res.out[0];
   const Dim& size = output_value(r, 0).shape[static_cast<size_t>(p.dim)];
-  if (!size.has_seq() || size.power != 1 || size.coef % p.inner != 0)
+  if (!size.has_seq() || size.power != 1 || size.offset != 0 || size.coef % p.inner != 0)
     conflict(r, describe_input(r, 0) + ", a random draw over a sharded dim of size " + size.str(),
              "a dim that is a multiple of S");
   res.attr_updates["random_dim"] = int64_t{p.dim};
@@ -394,15 +394,39 @@ RuleResult rule_index(const RuleInput& r) {
   const int d = r.in[0].dim;
   const auto sliced = r.node.ints_attr("sliced_dims");
   const auto dim_map = r.node.ints_attr("dim_map");
-  if (std::find(sliced.begin(), sliced.end(), d) != sliced.end() ||
-      d >= static_cast<int>(dim_map.size()) || dim_map[d] < 0)
+  const auto at = std::find(sliced.begin(), sliced.end(), d);
+  if (at != sliced.end() && d < static_cast<int>(dim_map.size()) && dim_map[d] >= 0 &&
+      r.in.size() == 1) {
+    // A slice that drops a few positions at either end of the sequence (logits[:, :-1],
+    // h[:, 1:], a padded conv's output cut back to S): the result has S + offset positions,
+    // split as every sharded dim of that size is (S/P per rank, the last rank S/P + offset);
+    // sp.shift takes each rank's part, with a boundary exchange when the slice starts after
+    // position 0.
+    const auto starts = r.node.ints_attr("slice_starts");
+    const size_t k = static_cast<size_t>(at - sliced.begin());
+    const int64_t start = k < starts.size() ? starts[k] : -1;
+    const Dim& in_size = input_value(r, 0).shape[static_cast<size_t>(d)];
+    const Dim& out_size = output_value(r, 0).shape[static_cast<size_t>(dim_map[d])];
+    auto plain = [](const Dim& s) { return s.has_seq() && s.coef == 1 && s.power == 1; };
+    if (r.in[0].inner == 1 && plain(in_size) && plain(out_size) && start >= 0 &&
+        start <= in_size.offset - out_size.offset) {
+      RuleResult res = keep_all(r, {Placement::shard(static_cast<int>(dim_map[d]))});
+      res.expansion = "shift";
+      res.attr_updates["shift_dim"] = int64_t{d};
+      res.attr_updates["shift_start"] = start;
+      res.attr_updates["shift_offset"] = out_size.offset;
+      res.attr_updates["shift_in_offset"] = in_size.offset;
+      return res;
+    }
+  }
+  if (at != sliced.end() || d >= static_cast<int>(dim_map.size()) || dim_map[d] < 0)
     conflict(r,
              describe_input(r, 0) + ", indexed or sliced along the sharded sequence dim " +
                  std::to_string(d),
-             "the sequence dim taken whole",
-             "Each rank holds only its chunk of the sequence. Shift or slice sequences before "
-             "the sequence is sharded: for a causal LM loss, shift the labels (e.g. "
-             "F.pad(labels, (0, 1), value=-100)[:, 1:]) rather than the logits.");
+             "the sequence dim taken whole, or a step-1 slice of S positions that drops a few "
+             "at its ends (x[:, :-1], x[:, 1:])",
+             "Each rank holds only its chunk of the sequence. Index or slice the sequence "
+             "before it is sharded (on the full-length inputs), or take it whole.");
   for (size_t i = 1; i < r.in.size(); ++i)
     if (!r.in[i].is_replicate())
       conflict(r, describe_input(r, i) + " used as an index", "replicated index tensors");
@@ -578,6 +602,16 @@ RuleResult rule_sym_size(const RuleInput& r) {
   // x.size(d) of the sharded dim and x.numel() scale by P, and x.size() (attribute
   // whole="size") scales its entry scale_dim.
   const std::string whole = r.node.str_attr("whole", "");
+  // A dim of unit * (S + offset) elements (a slice dropped positions of the sequence) is
+  // split unevenly: its global size is computed from the rank's part (collectives.global_extent).
+  const Dim& size = input_value(r, 0).shape.at(static_cast<size_t>(r.in[0].dim));
+  if (size.offset != 0) {
+    if (whole == "numel" || size.power != 1)
+      conflict(r, describe_input(r, 0) + ", whose element count is asked",
+               "sizes of a tensor over the whole sequence, or its size() along the sliced one");
+    res.attr_updates["scale_unit"] = size.coef;
+    res.attr_updates["scale_offset"] = size.offset;
+  }
   if (whole == "numel") {
     res.attr_updates["scale_by_sp"] = true;
   } else if (whole == "size") {
@@ -717,7 +751,8 @@ std::optional<Placement> reshape_shard(const std::vector<Dim>& in, const std::ve
     const Dim tail = product(out, static_cast<size_t>(j) + 1, out.size());
     auto inner = stride.divide(tail);
     if (!inner || !inner->is_static()) continue;
-    auto rest = out[j].divide(Dim::seq(inner->coef));
+    // The sequence factor keeps its offset (S - 1 positions stay S - 1 when merged).
+    auto rest = out[j].divide(Dim::seq(inner->coef, 1, in.at(static_cast<size_t>(p.dim)).offset));
     if (rest && rest->is_static()) return Placement::shard(j, inner->coef);
   }
   return std::nullopt;

@@ -232,8 +232,10 @@ class PlanBuilder {
                                   std::to_string(cfg_.sp_size));
     }
     const int src = grad_sync(v, loc);
-    int id = emit("sp.slice", {src}, {{"dim", int64_t{dim}}, {"inner", inner}, {"outer", outer}},
-                  {{val(v), Placement::shard(dim, inner)}}, loc)[0];
+    Attrs attrs{{"dim", int64_t{dim}}, {"inner", inner}, {"outer", outer}};
+    // S + offset positions: every rank takes S/P of them, the last one S/P + offset.
+    if (size.offset != 0) attrs["offset"] = size.offset;
+    int id = emit("sp.slice", {src}, attrs, {{val(v), Placement::shard(dim, inner)}}, loc)[0];
     slice_cache_[key] = id;
     return id;
   }
@@ -346,6 +348,12 @@ class PlanBuilder {
       int v = mapped(old);
       Placement p = placement(v);
       if (p.is_partial()) v = reduce_partial(v, n.loc);
+      if (p.is_shard() && cfg_.gather_outputs && val(v).shape.at(p.dim).offset != 0)
+        throw PlanError(kPass, n,
+                        "an output " + shape_str(val(v).shape) +
+                            " sharded unevenly (a slice dropped positions of the sequence)",
+                        "outputs over the whole sequence when outputs are gathered",
+                        "Return the value before slicing it, or reduce it inside the model.");
       if (p.is_shard() && cfg_.gather_outputs)
         v = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
                  {{val(v), Placement::replicate()}}, n.loc)[0];
@@ -464,6 +472,10 @@ class PlanBuilder {
       emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
       return;
     }
+    if (res.expansion == "shift") {
+      emit_shift(n, apply_operands(n, ins, res.operands, res.out), res);
+      return;
+    }
     if (res.expansion == "scan" || res.expansion == "combine") {
       emit_cross_rank(n, apply_operands(n, ins, res.operands, res.out), res.expansion);
       return;
@@ -513,6 +525,22 @@ class PlanBuilder {
     vmap_[static_cast<size_t>(n.outputs[0])] = out;
   }
 
+  // A slice that drops positions at the ends of the sharded sequence: sp.shift takes this
+  // rank's part of the sliced sequence (see collectives.shift), and the node itself then
+  // indexes the other dims only (attribute unslice_dim: the bridge takes that dim whole).
+  void emit_shift(const Node& n, std::vector<int> ins, const RuleResult& res) {
+    const int64_t d = std::get<int64_t>(res.attr_updates.at("shift_dim"));
+    const int64_t start = std::get<int64_t>(res.attr_updates.at("shift_start"));
+    const int64_t offset = std::get<int64_t>(res.attr_updates.at("shift_offset"));
+    const int64_t in_offset = std::get<int64_t>(res.attr_updates.at("shift_in_offset"));
+    Value v = val(ins[0]);
+    v.shape.at(static_cast<size_t>(d)) = Dim::seq(1, 1, offset);
+    ins[0] = emit("sp.shift", {ins[0]},
+                  {{"dim", d}, {"start", start}, {"offset", offset}, {"in_offset", in_offset}},
+                  {{v, placement(ins[0])}}, n.loc)[0];
+    copy_node(n, ins, res.out, {{"unslice_dim", d}});
+  }
+
   // mean over the sharded dim -> local sum / global count (a partial value).
   void emit_mean_partial(const Node& n, std::vector<int> ins) {
     const Value& x = val(ins[0]);
@@ -531,9 +559,9 @@ class PlanBuilder {
     const int idx =
         copy_node(s, ins, {Placement::partial()}, {{"rewrite_target", std::string("sum")}});
     const int sum_out = out_.nodes[static_cast<size_t>(idx)].outputs[0];
-    const int q = emit("div", {sum_out},
-                       {{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}},
-                       {{val(sum_out), Placement::partial()}}, n.loc)[0];
+    Attrs divisor{{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}};
+    if (count.offset != 0) divisor["divisor_offset"] = count.offset;  // coef * (S + offset)^power
+    const int q = emit("div", {sum_out}, divisor, {{val(sum_out), Placement::partial()}}, n.loc)[0];
     vmap_[static_cast<size_t>(n.outputs[0])] = q;
   }
 
@@ -606,6 +634,14 @@ class PlanBuilder {
                       "[batch, heads, seq, head_dim] query, key and value");
     for (int i = 0; i < 3; ++i) {
       Placement p = placement(ins[i]);
+      const Dim& len = val(ins[i]).shape.at(2);
+      if (p.is_shard() && len.offset != 0)
+        throw PlanError(kPass, n,
+                        "attention over " + len.str() + " positions, sharded unevenly " +
+                            "(a slice dropped positions of the sequence)",
+                        "attention over the whole sequence",
+                        "Slice the sequence after attention (the logits or the loss inputs), not "
+                        "before it.");
       if (!(p.is_replicate() || p == Placement::shard(2)))
         throw PlanError(kPass, n,
                         std::string(i == 0   ? "query"

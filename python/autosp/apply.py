@@ -124,13 +124,17 @@ class _Replayer:
                 raise AssertionError(f"plan replay: {fxn.name} still refers to {stale} of the input graph")
             kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
             attrs = cn.attrs
-            target = fxn.target
+            target, kind = fxn.target, fxn.op
             if "rewrite_target" in attrs:
                 target = _rewrite_target(fxn, attrs["rewrite_target"])
             if "reduction" in attrs and attrs["reduction"] != _current_reduction(fxn):
                 args, kwargs = _set_reduction(args, kwargs, attrs["reduction"])
             if "local_dims" in attrs:
                 args, kwargs = self.localise_sizes(fxn, cn, args, kwargs, list(attrs["local_dims"]))
+            if "unslice_dim" in attrs:
+                # sp.shift already took this rank's part of the sliced sequence dim.
+                target, args, kwargs = _unslice(fxn, args, kwargs, attrs["unslice_dim"])
+                kind = "call_function"
             if cn.op == "output":
                 nn = self.graph.output(args[0] if len(args) == 1 else args)
                 return
@@ -139,15 +143,20 @@ class _Replayer:
             elif attrs.get("guarded_logsumexp", False):
                 nn = self.graph.call_function(collectives.guarded_logsumexp, tuple(args), kwargs)
             else:
-                nn = self.graph.create_node(fxn.op, target, tuple(args), kwargs, name=fxn.name)
+                nn = self.graph.create_node(kind, target, tuple(args), kwargs, name=fxn.name)
             nn.meta = copy.copy(fxn.meta)
             if attrs.get("scale_by_sp", False):
                 # The global size(s) stand for the original node: same meta (its example value
                 # is the single-device size, which later size arguments are read from).
+                ctx = self.ctx
+                unit, offset = attrs.get("scale_unit", 1), attrs.get("scale_offset", 0)
                 if "scale_dim" in attrs:
-                    nn = self.graph.call_function(collectives.global_size, (nn, attrs["scale_dim"], self.ctx.world))
+                    nn = self.graph.call_function(
+                        collectives.global_size, (nn, attrs["scale_dim"], ctx.world, unit, offset, ctx.rank))
+                elif offset:
+                    nn = self.graph.call_function(collectives.global_extent, (nn, unit, offset, ctx.rank, ctx.world))
                 else:
-                    nn = self.graph.call_function(operator.mul, (nn, self.ctx.world))
+                    nn = self.graph.call_function(operator.mul, (nn, ctx.world))
                 nn.meta = copy.copy(fxn.meta)
             if attrs.get("clone", False):
                 # A local copy of a replicated computation (a hoisted slice); the original
@@ -204,9 +213,16 @@ class _Replayer:
         sizes = list(args[1:]) if flat else list(args[1])
         if not sizes and "size" in kwargs:
             sizes, flat = list(kwargs["size"]), None
+        out_shape = self.plan.graph.value(cn.outputs[0]).shape
         for d in dims:
             s = sizes[d]
-            if isinstance(s, fx.Node):
+            size = out_shape[d]
+            if isinstance(s, fx.Node) and size.offset:
+                # unit * (S + offset) elements, split unevenly (collectives.chunk_bounds)
+                ctx = self.ctx
+                sizes[d] = self.graph.call_function(
+                    collectives.local_extent, (s, size.coef, size.offset, ctx.rank, ctx.world))
+            elif isinstance(s, fx.Node):
                 sizes[d] = self.graph.call_function(operator.floordiv, (s, self.ctx.world))
             elif isinstance(s, int) and s == -1:
                 continue
@@ -231,8 +247,11 @@ class _Replayer:
         g = self.graph
         op = cn.op
         if op == "sp.slice":
-            node = g.call_function(collectives.local_chunk,
-                                   (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank, ctx.world))
+            node = g.call_function(collectives.local_chunk, (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank,
+                                                             ctx.world, a.get("offset", 0)))
+        elif op == "sp.shift":
+            node = g.call_function(collectives.shift, (ins[0], a["dim"], a["start"], a["offset"],
+                                                       a.get("in_offset", 0), ctx.group, ctx.rank, ctx.world))
         elif op == "sp.grad_sync" and len(ins) > 1:
             tup = g.call_function(collectives.grad_sync_many, (tuple(ins), ctx.group))
             for i, vid in enumerate(cn.outputs):
@@ -267,23 +286,53 @@ class _Replayer:
             if len(ins) == 2:
                 node = g.call_function(operator.truediv, (ins[0], ins[1]))
             else:
-                node = g.call_function(operator.truediv, (ins[0], self.divisor(a["divisor_coef"], a["divisor_power"])))
+                divisor = self.divisor(a["divisor_coef"], a["divisor_power"], a.get("divisor_offset", 0))
+                node = g.call_function(operator.truediv, (ins[0], divisor))
         else:
             raise AssertionError(f"unknown inserted op {op}")
         for vid in cn.outputs:
             self.env[vid] = node
 
-    def divisor(self, coef: int, power: int) -> Any:
+    def divisor(self, coef: int, power: int, offset: int = 0) -> Any:
+        """coef * (S + offset)^power, S being the graph's sequence-length input."""
         if power == 0:
             return coef
         if self.seq_node is None:
             raise AssertionError("plan divides by a multiple of S but the graph has no S input")
-        d: Any = self.seq_node
+        base: Any = self.seq_node
+        if offset:
+            base = self.graph.call_function(operator.add, (base, offset))
+        d: Any = base
         for _ in range(power - 1):
-            d = self.graph.call_function(operator.mul, (d, self.seq_node))
+            d = self.graph.call_function(operator.mul, (d, base))
         if coef != 1:
             d = self.graph.call_function(operator.mul, (d, coef))
         return d
+
+
+def _unslice(fxn: fx.Node, args: Any, kwargs: dict, dim: int) -> tuple[Any, Any, dict]:
+    """The indexing node ``fxn`` with its slice of input dim ``dim`` taken whole."""
+    from autosp.bridge import expand_index
+
+    if fxn.target is operator.getitem:
+        x, idx = args[0], args[1]
+        items = expand_index(idx, len(_example_shape(fxn.args[0])))
+        seen = -1
+        for j, it in enumerate(items):
+            if it is not None:
+                seen += 1
+            if seen == dim and it is not None:
+                items[j] = slice(None)
+                break
+        return operator.getitem, (x, tuple(items)), kwargs
+    # narrow(x, dim, start, length): the whole dim
+    x = args[0] if args else kwargs["input"]
+    return operator.getitem, (x, (slice(None),) * (dim + 1)), {}
+
+
+def _example_shape(n: Any) -> tuple:
+    ex = n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else ()
 
 
 def _nodes_in(a: Any) -> list[fx.Node]:

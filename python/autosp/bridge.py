@@ -209,6 +209,13 @@ class _Converter:
                 return _core.Dim.seq(int(coef), 1)
             if rest.is_Pow and rest.base in self.res.seq_symbols and rest.exp.is_Integer:
                 return _core.Dim.seq(int(coef), int(rest.exp))
+        if expr.is_Add and len(expr.free_symbols) == 1 and next(iter(expr.free_symbols)) in self.res.seq_symbols:
+            # a*S + b with a | b: a*(S + b/a), what slicing a few positions off the sequence
+            # leaves (S - 1; 2*S - 2 for [2, S-1] merged).
+            s = next(iter(expr.free_symbols))
+            a, b = expr.coeff(s, 1), expr.coeff(s, 0)
+            if a.is_Integer and b.is_Integer and a > 0 and int(b) % int(a) == 0 and expr == a * s + b:
+                return _core.Dim.seq(int(a), 1, int(b) // int(a))
         return _core.Dim.expr(str(expr))
 
     def value_for(self, ex: Any) -> Any:
@@ -445,9 +452,14 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
     if name in ("narrow", "select"):
         d = _norm(_int(_arg(node, 1, "dim")), xr)
         dim_map = list(range(xr))
+        start = -1
         if name == "select":
             dim_map = [i if i < d else (-1 if i == d else i - 1) for i in range(xr)]
-        return "index", _tensor_inputs(node, only=[0]), {"dim_map": dim_map, "sliced_dims": [d]}
+        else:
+            s0 = _arg(node, 2, "start")
+            start = s0 if isinstance(s0, int) and s0 >= 0 else -1
+        return "index", _tensor_inputs(node, only=[0]), {"dim_map": dim_map, "sliced_dims": [d],
+                                                         "slice_starts": [start]}
     if name in ("cat", "stack"):
         rank = ex.dim() if isinstance(ex, torch.Tensor) else 0
         dim = _norm(_int(_arg(node, 1, "dim", 0)), rank)
@@ -622,6 +634,15 @@ def _perm(node: fx.Node, name: str, rank: int) -> list[int]:
     return [o if o >= 0 else next(rest) for o in out]
 
 
+def _static_start(it: slice) -> int:
+    """Where a step-1 slice with a static, non-negative start begins; -1 otherwise."""
+    if it.step not in (None, 1):
+        return -1
+    if it.start is None:
+        return 0
+    return it.start if isinstance(it.start, int) and it.start >= 0 else -1
+
+
 def _dim_size(n: Any, d: int) -> Any:
     ex = _example(n)
     return ex.shape[d] if isinstance(ex, torch.Tensor) and d < ex.dim() else None
@@ -639,12 +660,10 @@ def _same_size(a: Any, b: Any) -> bool:
     return False
 
 
-def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
-    x, idx = node.args[0], node.args[1]
-    rank = _rank(x)
+def expand_index(idx: Any, rank: int) -> list[Any]:
+    """The items of ``x[idx]`` for a tensor of ``rank`` dims, the Ellipsis expanded and
+    trailing dims filled with full slices."""
     items = list(idx) if isinstance(idx, tuple) else [idx]
-    inputs = [(x, ("args", 0))]
-    # Expand the Ellipsis.
     n_consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
     expanded: list[Any] = []
     for it in items:
@@ -654,6 +673,14 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
             expanded.append(it)
     while sum(1 for it in expanded if it is not None) < rank:
         expanded.append(slice(None))
+    return expanded
+
+
+def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
+    x, idx = node.args[0], node.args[1]
+    rank = _rank(x)
+    inputs = [(x, ("args", 0))]
+    expanded = expand_index(idx, rank)
     # Advanced (tensor) indices: PyTorch puts the dims of their broadcast result where the
     # first of them stands when they are adjacent, and in front of all dims otherwise. A bool
     # index consumes as many dims as it has and gives one (its nonzero positions).
@@ -667,6 +694,7 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
     adjacent = bool(adv) and adv == list(range(adv[0], adv[-1] + 1))
     dim_map: list[int] = []
     sliced: list[int] = []
+    starts: list[int] = []  # per sliced dim: where a step-1 slice starts, or -1
     in_dim, out_dim = 0, (0 if adjacent or not adv else adv_rank)
     adv_out = 0
     for j, it in enumerate(expanded):
@@ -681,12 +709,14 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
                 full = _same_size(_dim_size(x, in_dim), _dim_size(node, out_dim))
             if not full:
                 sliced.append(in_dim)
+                starts.append(_static_start(it))
             dim_map.append(out_dim)
             in_dim += 1
             out_dim += 1
         elif not is_advanced(it):  # an int: the dim goes away
             dim_map.append(-1)
             sliced.append(in_dim)
+            starts.append(-1)
             in_dim += 1
         else:
             if adjacent and j == adv[0]:
@@ -696,10 +726,11 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
             for _ in range(consumed):
                 dim_map.append(-1)
                 sliced.append(in_dim)
+                starts.append(-1)
                 in_dim += 1
             if _is_tensor_node(it):
                 inputs.append((it, ("args", 1, j) if isinstance(idx, tuple) else ("args", 1)))
-    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced}
+    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced, "slice_starts": starts}
     if adv:
         attrs.update(index_out=adv_out, index_bool=adv_bool)
     return "index", inputs, attrs

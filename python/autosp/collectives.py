@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from autosp.errors import AutospError
+
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t)
@@ -89,20 +91,62 @@ def reduce_partial(x: torch.Tensor, group: str) -> torch.Tensor:
     return _ReducePartial.apply(x, group)
 
 
-def local_chunk(x: torch.Tensor, dim: int, outer: int, inner: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's 1/world chunk of the factor of ``dim`` that lies between ``outer`` and
-    ``inner`` (the sequence factor of a possibly merged dim).
+def chunk_bounds(n: int, offset: int, rank: int, world: int) -> tuple[int, int]:
+    """(start, length) of this rank's part of a sequence factor of ``n = S + offset``
+    positions: every rank holds S/world of them, the last one S/world + offset (what is left
+    after a few positions were sliced off, or added, at the end)."""
+    c = (n - offset) // world
+    # Checked on every rank alike (not only on the last, whose part is short), so that all
+    # ranks stop here together.
+    if c + offset < 1 or c < 1:
+        raise AutospError(
+            f"[autosp:apply] a sequence of {n - offset} positions with {offset:+d} at its end: found "
+            f"{c} positions per rank for an SP degree of {world}; expected more than {-offset} per "
+            "rank, so that every rank keeps at least one. Use a longer sequence or a smaller SP degree.")
+    return rank * c, (c + offset if rank == world - 1 else c)
+
+
+def local_chunk(x: torch.Tensor, dim: int, outer: int, inner: int, rank: int, world: int,
+                offset: int = 0) -> torch.Tensor:
+    """This rank's chunk of the factor of ``dim`` that lies between ``outer`` and ``inner``
+    (the sequence factor of a possibly merged dim): 1/world of it, or, for a factor of
+    S + offset positions, the part ``chunk_bounds`` gives.
 
     The chunk is contiguous: a narrowed view keeps the full tensor's strides, and a later
     ``view`` (``targets.view(-1)``), ``view(dtype)`` or in-place op that is valid on the
     single-device value must stay valid on this rank's chunk. A contiguous tensor admits
     every view of its shape."""
     if outer == 1 and inner == 1:
-        n = x.size(dim) // world
-        return x.narrow(dim, rank * n, n).contiguous()
+        start, n = chunk_bounds(x.size(dim), offset, rank, world)
+        return x.narrow(dim, start, n).contiguous()
     t = x.unflatten(dim, (outer, -1, inner))
-    n = t.size(dim + 1) // world
-    return t.narrow(dim + 1, rank * n, n).flatten(dim, dim + 2).contiguous()
+    start, n = chunk_bounds(t.size(dim + 1), offset, rank, world)
+    return t.narrow(dim + 1, start, n).flatten(dim, dim + 2).contiguous()
+
+
+def shift(x: torch.Tensor, dim: int, start: int, offset: int, in_offset: int, group: str, rank: int,
+          world: int) -> torch.Tensor:
+    """This rank's part of ``x[..., start:start + S + offset]`` along the sharded sequence dim
+    ``dim``, from its part ``x`` of the S + in_offset positions of the input (both split as
+    ``chunk_bounds`` says). Rank r's part begins ``start`` positions into its own and, on every
+    rank but the last, takes the first ``start`` positions of rank r + 1's part (a boundary
+    exchange; every rank takes part in it, the last one receives nothing). Its backward returns
+    the gradient of those positions to rank r + 1."""
+    last = rank == world - 1
+    n = x.size(dim)
+    c = n - in_offset if last else n
+    _, length = chunk_bounds(c * world + offset, offset, rank, world)
+    if start > min(c, c + in_offset):
+        raise AutospError(
+            f"[autosp:apply] a slice starting {start} positions into the sequence: found {c} "
+            f"positions per rank; expected at least {start}. Use a longer sequence.")
+    if start == 0:
+        return x.narrow(dim, 0, length)
+    # Every rank runs the same ops, the last one included (it concatenates rank 0's positions
+    # and never reads them): a gather whose result one rank left unused would be removed from
+    # that rank's graph as dead code, and the other ranks would wait for it forever.
+    heads = _GatherStack.apply(x.narrow(dim, 0, start), group, rank, True)
+    return torch.cat([x, heads[(rank + 1) % world]], dim=dim).narrow(dim, start, length)
 
 
 def _global_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
@@ -288,11 +332,28 @@ def check_index(ids: torch.Tensor, below: int, where: str) -> torch.Tensor:
     return ids
 
 
-def global_size(size: torch.Size, dim: int, world: int) -> torch.Size:
+def global_extent(n: int, unit: int, offset: int, rank: int, world: int) -> int:
+    """The single-device size of a sharded dim whose local size is ``n``, for a dim of
+    ``unit * (S + offset)`` elements (see ``chunk_bounds``)."""
+    if offset == 0:
+        return n * world
+    local = n // unit - (offset if rank == world - 1 else 0)
+    return (local * world + offset) * unit
+
+
+def local_extent(n: int, unit: int, offset: int, rank: int, world: int) -> int:
+    """This rank's size of a dim of ``n = unit * (S + offset)`` elements (see ``chunk_bounds``)."""
+    if offset == 0:
+        return n // world
+    return chunk_bounds(n // unit, offset, rank, world)[1] * unit
+
+
+def global_size(size: torch.Size, dim: int, world: int, unit: int = 1, offset: int = 0,
+                rank: int = 0) -> torch.Size:
     """``x.size()`` of a chunk as the single-device graph sees it: entry ``dim`` (the sharded
-    one) times the SP degree."""
+    one) at its global extent."""
     out = list(size)
-    out[dim] = out[dim] * world
+    out[dim] = global_extent(out[dim], unit, offset, rank, world)
     return torch.Size(out)
 
 

@@ -14,11 +14,13 @@ using namespace autosp;
 void init_ir(nb::module_& m) {
   nb::class_<Dim>(m, "Dim")
       .def_static("constant", &Dim::constant, nb::arg("n"))
-      .def_static("seq", &Dim::seq, nb::arg("coef") = 1, nb::arg("power") = 1)
+      .def_static("seq", &Dim::seq, nb::arg("coef") = 1, nb::arg("power") = 1,
+                  nb::arg("offset") = 0)
       .def_static("expr", &Dim::expr, nb::arg("text"))
       .def_rw("coef", &Dim::coef)
       .def_rw("power", &Dim::power)
       .def_rw("opaque", &Dim::opaque)
+      .def_rw("offset", &Dim::offset)
       .def("__str__", &Dim::str)
       .def("__repr__", [](const Dim& d) { return "Dim(" + d.str() + ")"; })
       .def(nb::self == nb::self);

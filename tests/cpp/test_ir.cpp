@@ -16,10 +16,10 @@ using testutil::GraphBuilder;
 using testutil::S;
 
 TEST(Dim, Constructors) {
-  EXPECT_EQ(Dim::constant(64), (Dim{.coef = 64, .power = 0, .opaque = ""}));
-  EXPECT_EQ(Dim::seq(), (Dim{.coef = 1, .power = 1, .opaque = ""}));
-  EXPECT_EQ(Dim::seq(3, 2), (Dim{.coef = 3, .power = 2, .opaque = ""}));
-  EXPECT_EQ(Dim::expr("s0 + 1"), (Dim{.coef = 0, .power = 0, .opaque = "s0 + 1"}));
+  EXPECT_EQ(Dim::constant(64), (Dim{.coef = 64, .power = 0, .opaque = "", .offset = 0}));
+  EXPECT_EQ(Dim::seq(), (Dim{.coef = 1, .power = 1, .opaque = "", .offset = 0}));
+  EXPECT_EQ(Dim::seq(3, 2), (Dim{.coef = 3, .power = 2, .opaque = "", .offset = 0}));
+  EXPECT_EQ(Dim::expr("s0 + 1"), (Dim{.coef = 0, .power = 0, .opaque = "s0 + 1", .offset = 0}));
 }
 
 TEST(Dim, Predicates) {
@@ -67,6 +67,26 @@ TEST(Dim, Divide) {
   EXPECT_EQ(Dim::seq(4).divide(Dim::constant(0)), std::nullopt);
   EXPECT_EQ(Dim::expr("u").divide(Dim::constant(1)), std::nullopt);
   EXPECT_EQ(Dim::seq().divide(Dim::expr("u")), std::nullopt);
+}
+
+// S + offset: what slicing a few positions off the sequence leaves.
+TEST(Dim, Offset) {
+  const Dim s1 = Dim::seq(1, 1, -1);
+  EXPECT_EQ(s1.str(), "S-1");
+  EXPECT_EQ(Dim::seq(2, 1, -1).str(), "2*(S-1)");
+  EXPECT_EQ(Dim::seq(1, 1, 3).str(), "S+3");
+  EXPECT_TRUE(s1.has_seq());
+  EXPECT_FALSE(s1 == Dim::seq());
+  EXPECT_EQ(Dim::constant(2) * s1, Dim::seq(2, 1, -1));
+  EXPECT_EQ(s1 * Dim::constant(2), Dim::seq(2, 1, -1));
+  EXPECT_EQ(Dim::seq(2, 1, -1).divide(s1), Dim::constant(2));
+  EXPECT_EQ(Dim::seq(4, 1, -1).divide(Dim::constant(2)), Dim::seq(2, 1, -1));
+  // Factors of S with different offsets do not cancel or multiply.
+  EXPECT_EQ(Dim::seq(2, 1, -1).divide(Dim::seq()), std::nullopt);
+  EXPECT_EQ(Dim::seq(2).divide(s1), std::nullopt);
+  EXPECT_TRUE((s1 * Dim::seq()).is_opaque());
+  // A static size never carries an offset.
+  EXPECT_EQ(Dim::seq(3, 0, -1), Dim::constant(3));
 }
 
 TEST(Dim, ProductAndShapeStr) {

@@ -322,6 +322,11 @@ TEST(ReshapeShard, WorkedExamples) {
   EXPECT_EQ(reshape_shard({S(2), C(128)}, {S(), C(2), C(128)}, Sh(0, 2)), Sh(0));
   // Adding a unit dim.
   EXPECT_EQ(reshape_shard({C(2), S()}, {S(2), C(1)}, Sh(1)), Sh(0));
+  // A sliced sequence (S - 1 positions) merges and unmerges with its offset.
+  const Dim s1 = Dim::seq(1, 1, -1);
+  EXPECT_EQ(reshape_shard({C(2), s1, C(128)}, {Dim::seq(2, 1, -1), C(128)}, Sh(1)), Sh(0));
+  EXPECT_EQ(reshape_shard({Dim::seq(2, 1, -1), C(128)}, {C(2), s1, C(128)}, Sh(0)), Sh(1));
+  EXPECT_EQ(reshape_shard({C(2), s1, C(128)}, {S(2), C(128)}, Sh(1)), std::nullopt);
   // Non-shard placements pass through.
   EXPECT_EQ(reshape_shard({C(2), S()}, {S(2)}, R), R);
   EXPECT_EQ(reshape_shard({C(2), S()}, {S(2)}, P), P);
@@ -477,22 +482,74 @@ TEST(IndexRule, SlicesOtherDims) {
   EXPECT_EQ(run_rule(b, first, {R}), (Outcome{{R}, {Keep}}));
 }
 
-TEST(IndexRule, SlicedSequenceDimIsAnError) {
+// A step-1 slice dropping positions at the ends of the sharded sequence is a shift: the
+// result has S + offset positions (split unevenly), and sp.shift takes each rank's part.
+TEST(IndexRule, SliceOfTheSequenceIsAShift) {
   GraphBuilder b;
   const int logits = b.input("logits", {C(2), S(), C(128)}, "f32", "data");
-  const int shifted = b.at(90, "logits = logits[:, :-1]")
-                          .target("getitem")
-                          .op("index", {logits}, {C(2), Dim::expr("s0 - 1"), C(128)},
-                              {{"dim_map", std::vector<int64_t>{0, 1, 2}},
-                               {"sliced_dims", std::vector<int64_t>{1}}});
-  const std::string msg = rule_error(b, shifted, {Sh(1)});
-  EXPECT_TRUE(contains(msg,
-                       "[autosp:placement] op 'index' (getitem) at model.py:90  "
-                       "logits = logits[:, :-1]: "));
-  EXPECT_TRUE(contains(msg,
-                       "found input 0 f32[2, S, 128] placed S(1), indexed or sliced along "
-                       "the sharded sequence dim 1; expected the sequence dim taken whole."));
-  EXPECT_TRUE(contains(msg, "F.pad(labels, (0, 1), value=-100)[:, 1:]"));
+  auto slice = [&](std::vector<Dim> shape, int64_t start) {
+    return b.op("index", {logits}, std::move(shape),
+                {{"dim_map", std::vector<int64_t>{0, 1, 2}},
+                 {"sliced_dims", std::vector<int64_t>{1}},
+                 {"slice_starts", std::vector<int64_t>{start}}});
+  };
+  auto shift = [](int64_t start, int64_t offset, int64_t in_offset = 0) {
+    return Outcome{{Sh(1)},
+                   {Keep},
+                   {{"shift_dim", int64_t{1}},
+                    {"shift_start", start},
+                    {"shift_offset", offset},
+                    {"shift_in_offset", in_offset}},
+                   "shift"};
+  };
+  // logits[:, :-1], logits[:, 1:], logits[:, 1:-1]
+  EXPECT_EQ(run_rule(b, slice({C(2), Dim::seq(1, 1, -1), C(128)}, 0), {Sh(1)}), shift(0, -1));
+  EXPECT_EQ(run_rule(b, slice({C(2), Dim::seq(1, 1, -1), C(128)}, 1), {Sh(1)}), shift(1, -1));
+  EXPECT_EQ(run_rule(b, slice({C(2), Dim::seq(1, 1, -2), C(128)}, 1), {Sh(1)}), shift(1, -2));
+  // Replicated: nothing to do.
+  EXPECT_EQ(run_rule(b, slice({C(2), Dim::seq(1, 1, -1), C(128)}, 1), {R}), (Outcome{{R}, {Keep}}));
+  // A padded conv's S + 2 outputs cut back to S.
+  const int padded = b.input("padded", {C(2), Dim::seq(1, 1, 2), C(8)}, "f32", "data");
+  const int cut = b.op("index", {padded}, {C(2), S(), C(8)},
+                       {{"dim_map", std::vector<int64_t>{0, 1, 2}},
+                        {"sliced_dims", std::vector<int64_t>{1}},
+                        {"slice_starts", std::vector<int64_t>{0}}});
+  EXPECT_EQ(run_rule(b, cut, {Sh(1)}), shift(0, 0, 2));
+}
+
+TEST(IndexRule, OtherSlicesOfTheSequenceAreErrors) {
+  GraphBuilder b;
+  const int logits = b.input("logits", {C(2), S(), C(128)}, "f32", "data");
+  auto slice = [&](std::vector<Dim> shape, int64_t start) {
+    return b.at(90, "logits = logits[:, -8:]")
+        .target("getitem")
+        .op("index", {logits}, std::move(shape),
+            {{"dim_map", std::vector<int64_t>{0, 1, 2}},
+             {"sliced_dims", std::vector<int64_t>{1}},
+             {"slice_starts", std::vector<int64_t>{start}}});
+  };
+  // The last 8 positions (a static size), a step-2 slice (start -1), a start past the
+  // dropped positions, and S // 2 (opaque) are not shifts.
+  for (const int out :
+       {slice({C(2), C(8), C(128)}, -1), slice({C(2), Dim::seq(1, 1, -1), C(128)}, -1),
+        slice({C(2), Dim::seq(1, 1, -1), C(128)}, 2),
+        slice({C(2), Dim::expr("s0//2"), C(128)}, 0)}) {
+    const std::string msg = rule_error(b, out, {Sh(1)});
+    EXPECT_TRUE(contains(msg,
+                         "[autosp:placement] op 'index' (getitem) at model.py:90  "
+                         "logits = logits[:, -8:]: "));
+    EXPECT_TRUE(contains(msg,
+                         "found input 0 f32[2, S, 128] placed S(1), indexed or sliced along "
+                         "the sharded sequence dim 1; expected the sequence dim taken whole, or "
+                         "a step-1 slice of S positions that drops a few at its ends"))
+        << msg;
+  }
+  // An int index into the sequence removes the dim.
+  const int one = b.op("index", {logits}, {C(2), C(128)},
+                       {{"dim_map", std::vector<int64_t>{0, -1, 1}},
+                        {"sliced_dims", std::vector<int64_t>{1}},
+                        {"slice_starts", std::vector<int64_t>{-1}}});
+  EXPECT_TRUE(contains(rule_error(b, one, {Sh(1)}), "indexed or sliced along the sharded"));
 }
 
 // A replicated table gathered by a sharded integer index (MoE: expert weights per token) is
@@ -752,6 +809,18 @@ TEST(SymSizeRule, ScalesTheShardedSize) {
   EXPECT_EQ(run_rule(b, n, {Sh(1)}), (Outcome{{R}, {Keep}, {{"scale_by_sp", true}}}));
   EXPECT_EQ(run_rule(b, m, {Sh(1)}), (Outcome{{R}, {Keep}}));
   EXPECT_EQ(run_rule(b, n, {R}), (Outcome{{R}, {Keep}}));
+  // S - 1 positions split unevenly: the global size comes from unit * (S + offset).
+  const int y = b.input("y", {Dim::seq(2, 1, -1), C(64)}, "f32", "data");
+  const int k = b.symbol("sym_size", {y}, {{"dim", int64_t{0}}});
+  EXPECT_EQ(
+      run_rule(b, k, {Sh(0)}),
+      (Outcome{
+          {R},
+          {Keep},
+          {{"scale_by_sp", true}, {"scale_unit", int64_t{2}}, {"scale_offset", int64_t{-1}}}}));
+  const int count =
+      b.at(7, "n = y.numel()").symbol("sym_size", {y}, {{"whole", std::string("numel")}});
+  EXPECT_TRUE(contains(rule_error(b, count, {Sh(0)}), "whose element count is asked"));
 }
 
 TEST(LayerNormRule, NormalisesOutsideTheSequence) {
