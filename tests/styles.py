@@ -774,6 +774,23 @@ class CausalConvLM(DecoderLM):
         return F.cross_entropy(logits.view(-1, VOCAB), shift_labels.reshape(-1))
 
 
+class SameConvLM(DecoderLM):
+    """A dilated, non-causal depthwise conv with padding='same' (2 positions each side):
+    every rank reads both neighbours' edges."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layers=1)
+        self.conv = nn.Conv1d(HIDDEN, HIDDEN, kernel_size=3, dilation=2, groups=HIDDEN,
+                              padding="same")
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        x = x + F.silu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        logits = self.head(self.body(x))
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.view(-1, VOCAB), shift_labels.reshape(-1))
+
+
 def _llama(**kw):
     return lambda: ScratchLlama(**kw)
 
@@ -814,6 +831,7 @@ EXTRA: list[Style] = [
     Style("softcap-zloss", lambda: ZLossSoftcapLM(n_layers=1), ids_labels),
     Style("nn-multihead-attention", lambda: MHAModuleLM(), ids_labels),
     Style("causal-conv1d-mixer", lambda: CausalConvLM(), ids_labels),
+    Style("conv1d-same-dilated", lambda: SameConvLM(), ids_labels),
     Style("shift-inside-multi-token", lambda: MultiTokenShiftLM(), ids_labels),
     Style("shift-before-attention", lambda: ShiftedAttentionLM(), ids_labels),
     Style("bf16-autocast", lambda: Bf16AutocastLM(n_layers=1), ids_labels,
@@ -853,9 +871,10 @@ def _ref_loss_and_grads(model: nn.Module, args: tuple) -> tuple[float, dict[str,
 def run_case(name: str, build: Callable[[], nn.Module],
              inputs: Callable[[int, int], tuple], world_size: int, seq_len: int, *,
              model_seed: int = 1234, batch_seeds: tuple[int, ...] = (11, 12),
-             loss_atol: float = 1e-5, grad_rtol: float = 1e-4, mesh=None) -> dict:
+             loss_atol: float = 1e-5, grad_rtol: float = 1e-4, mesh=None,
+             backend: str = "aot_eager", remat: str = "none") -> dict:
     """Builds the model (same weights on every rank), compiles it for SP (aot_eager, no
-    remat) and runs ``len(batch_seeds)`` steps against the single-device model.
+    remat, unless told otherwise) and runs ``len(batch_seeds)`` steps against the single-device model.
 
     Returns ``{"name", "outcome", "detail", ...}``: outcome ``exact``; ``autosp_error``
     (an AutospError, message in detail); ``mismatch`` (ran, but the loss or a gradient
@@ -876,7 +895,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
             torch.manual_seed(model_seed)
             model = build()
         ref_model = __import__("copy").deepcopy(model)
-        compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat="none", backend="aot_eager")
+        compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=backend)
         for step, seed in enumerate(batch_seeds):
             args = inputs(seed, seq_len)
             ref_loss, ref_grads = _ref_loss_and_grads(ref_model, args)

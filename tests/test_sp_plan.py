@@ -134,8 +134,8 @@ class ShiftedLogits(nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.emb(ids))
-        shift = logits[:, :-1, :]  # SHIFT_LINE
-        return F.cross_entropy(shift.reshape(-1, 32), labels[:, 1:].reshape(-1))
+        shift = logits[:, ::2, :]  # SHIFT_LINE (every other position: not a shift at the ends)
+        return F.cross_entropy(shift.reshape(-1, 32), labels[:, ::2].reshape(-1))
 
 
 class GraphBreak(nn.Module):
@@ -226,7 +226,8 @@ def test_errors_name_pass_op_line_and_numbers() -> None:
     msg = out["shift"]
     assert msg.startswith("AutospError: [autosp:placement] op 'index'"), msg
     assert f"{here}:{_line_of('# SHIFT_LINE')}" in msg, msg
-    assert "shift the labels" in msg, msg
+    assert "a step-1 slice of S positions that drops a few at its ends" in msg, msg
+    assert "Index or slice the sequence before it is sharded" in msg, msg
 
     msg = out["graph_break"]
     assert msg.startswith("AutospError: [autosp:capture]"), msg

@@ -7,7 +7,7 @@ rank and returned), then each style is its own test. A style autosp cannot compi
 is an ``xfail(strict=True, raises=AutospError)`` with the exact refusal as its reason: the
 suite stays green, a fix flips it to XPASS (strict: fails until the mark is removed), and
 a refusal that turns into a silent mismatch or a crash fails the test. Styles that cannot
-be exact under Ulysses by construction (a sequence convolution, nn.MultiheadAttention's
+be exact under Ulysses by construction (attention over a shifted sequence, nn.MultiheadAttention's
 fused kernel) must be refused with a clear AutospError naming the op.
 """
 
@@ -40,7 +40,6 @@ XFAIL = {
 # expected outcome.
 REFUSED = {
     "nn-multihead-attention": "multi_head_attention_forward",
-    "causal-conv1d-mixer": "conv1d",
     "shift-before-attention": "sdpa",
 }
 
@@ -113,3 +112,31 @@ def test_style_refused_clearly(name: str) -> None:
     message = str(info.value)
     assert f"op '{REFUSED[name]}'" in message, message
     assert "styles.py:" in message, f"the refusal does not name the user's source line: {message}"
+
+
+# Styles whose ranks run different code around a collective (the last rank's part of a shifted
+# sequence, rank 0's empty prefix of a scan, rank 0's zero padding before a conv's halo). A collective whose result one rank leaves unused
+# is dead code there, and a compiler that removes it leaves the other ranks waiting forever:
+# run them through the real pipeline (Inductor, sequence-aware remat) as users do.
+RANK_ASYMMETRIC = ["shift-inside-multi-token", "cumsum-mixer", "conv1d-same-dilated"]
+
+
+def _inductor_worker(rank: int, world_size: int, seq_len: int) -> list[dict]:
+    import warnings
+
+    import autosp
+
+    warnings.filterwarnings("ignore")
+    mesh = autosp.init_mesh(world_size)
+    return [styles.run_case(name, styles.ALL[name].build, styles.ALL[name].inputs, world_size,
+                            seq_len, mesh=mesh, backend="inductor", remat="sequence-aware",
+                            loss_atol=1e-4, grad_rtol=1e-3)
+            for name in RANK_ASYMMETRIC]
+
+
+def test_rank_asymmetric_styles_under_inductor() -> None:
+    """Exact (at Inductor's fp32 reordering tolerances) and no hang, at world 2."""
+    per_rank = run_ranks(2, _inductor_worker, SEQ_LEN[2], timeout=RANK_TIMEOUT_S)
+    for rank, results_ in enumerate(per_rank):
+        for r in results_:
+            assert r["outcome"] == styles.EXACT, f"{r['name']} rank {rank}: {r['outcome']}: {r['detail']}"

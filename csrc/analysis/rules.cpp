@@ -483,6 +483,45 @@ RuleResult rule_pad(const RuleInput& r) {
   return keep_all(r, {r.in[0]});
 }
 
+// conv1d(x, weight, bias) over x's last dim. With the sequence elsewhere (per-token convs over
+// a merged batch) the shard passes through. Along the sequence (a Mamba-style causal conv, a
+// local mixer), output t reads x[t - pad_left, t - pad_left + dilation*(kernel-1)]: each rank
+// convolves its chunk extended by a halo (sp.halo: pad_left positions of the previous rank's
+// chunk, zeros on rank 0; dilation*(kernel-1) - pad_left of the next one's, and the right
+// padding's zeros on the last rank) without padding. The output has S + pad_left + pad_right
+// - dilation*(kernel-1) positions, split as every sequence of S + offset positions is.
+RuleResult rule_conv1d(const RuleInput& r) {
+  for (size_t i = 1; i < r.in.size(); ++i)
+    if (!r.in[i].is_replicate())
+      conflict(r, describe_input(r, i) + " as the conv's weight or bias",
+               "replicated weight and bias");
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const Value& x = input_value(r, 0);
+  const Placement p = r.in[0];
+  const int length_dim = x.rank() - 1;
+  if (p.dim < length_dim - 1) return keep_all(r, {p});  // the batch dim
+  const Dim& size = x.shape[static_cast<size_t>(length_dim)];
+  const int64_t stride = r.node.int_attr("stride", -1), dilation = r.node.int_attr("dilation", -1);
+  const int64_t left = r.node.int_attr("pad_left", -1), right = r.node.int_attr("pad_right", -1);
+  const int64_t span = dilation * (r.node.int_attr("kernel", 0) - 1);
+  const Dim& out_size = output_value(r, 0).shape[static_cast<size_t>(length_dim)];
+  if (p.dim != length_dim || p.inner != 1 || !(size == Dim::seq()) || stride != 1 || left < 0 ||
+      right < 0 || span < left || !out_size.has_seq() || out_size.power != 1 ||
+      out_size.coef != 1 || out_size.offset != left + right - span)
+    conflict(r,
+             describe_input(r, 0) + ", convolved along its sharded dim " + std::to_string(p.dim) +
+                 " (stride " + std::to_string(stride) + ", padding " + std::to_string(left) + "/" +
+                 std::to_string(right) + ", dilation*(kernel-1) " + std::to_string(span) + ")",
+             "a stride-1 conv along the whole sequence (its last dim) with static zero padding "
+             "no wider than dilation*(kernel-1) on the left");
+  RuleResult res = keep_all(r, {p});
+  res.expansion = "halo";
+  res.attr_updates["halo_left"] = left;
+  res.attr_updates["halo_right"] = span - left;
+  res.attr_updates["halo_last_pad"] = right;
+  return res;
+}
+
 RuleResult rule_tril(const RuleInput& r) {
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
   const int rank = input_value(r, 0).rank();
@@ -697,6 +736,7 @@ const std::map<std::string, OpRule>& registry() {
       m[op] = {rule_split, PartialBehaviour::Reduce};
     m["pad"] = {rule_pad, PartialBehaviour::Reduce};
     m["tril"] = {rule_tril, PartialBehaviour::Reduce};
+    m["conv1d"] = {rule_conv1d, PartialBehaviour::Reduce};
     m["triu"] = {rule_tril, PartialBehaviour::Reduce};
     m["layer_norm"] = {rule_layer_norm, PartialBehaviour::Reduce};
     m["linear"] = {rule_linear, PartialBehaviour::Reduce};

@@ -472,6 +472,10 @@ class PlanBuilder {
       emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
       return;
     }
+    if (res.expansion == "halo") {
+      emit_halo(n, apply_operands(n, ins, res.operands, res.out), res);
+      return;
+    }
     if (res.expansion == "shift") {
       emit_shift(n, apply_operands(n, ins, res.operands, res.out), res);
       return;
@@ -539,6 +543,20 @@ class PlanBuilder {
                   {{"dim", d}, {"start", start}, {"offset", offset}, {"in_offset", in_offset}},
                   {{v, placement(ins[0])}}, n.loc)[0];
     copy_node(n, ins, res.out, {{"unslice_dim", d}});
+  }
+
+  // A conv along the sharded sequence: sp.halo extends each rank's chunk by the positions its
+  // outputs read from its neighbours (see collectives.halo), and the conv itself runs without
+  // padding (attribute zero_padding).
+  void emit_halo(const Node& n, std::vector<int> ins, const RuleResult& res) {
+    const Placement p = placement(ins[0]);
+    Value v = val(ins[0]);
+    v.shape.at(static_cast<size_t>(p.dim)) = Dim::expr("S/P + halo");
+    Attrs attrs{{"dim", int64_t{p.dim}}};
+    for (const char* k : {"halo_left", "halo_right", "halo_last_pad"})
+      attrs[std::string(k).substr(5)] = res.attr_updates.at(k);
+    ins[0] = emit("sp.halo", {ins[0]}, attrs, {{v, p}}, n.loc)[0];
+    copy_node(n, ins, res.out, {{"zero_padding", true}});
   }
 
   // mean over the sharded dim -> local sum / global count (a partial value).
@@ -777,8 +795,8 @@ class PlanBuilder {
 
 std::map<std::string, int> SpPlan::collective_counts() const {
   static const std::set<std::string> collectives = {
-      "sp.all_to_all",  "sp.reduce_partial", "sp.grad_sync", "sp.all_gather",
-      "sp.count_valid", "sp.scan",           "sp.combine"};
+      "sp.all_to_all", "sp.reduce_partial", "sp.grad_sync", "sp.all_gather", "sp.count_valid",
+      "sp.scan",       "sp.shift",          "sp.halo",      "sp.combine"};
   std::map<std::string, int> counts;
   for (const Node& n : graph.nodes)
     if (collectives.count(n.op)) counts[n.op] += 1;

@@ -131,6 +131,12 @@ class _Replayer:
                 args, kwargs = _set_reduction(args, kwargs, attrs["reduction"])
             if "local_dims" in attrs:
                 args, kwargs = self.localise_sizes(fxn, cn, args, kwargs, list(attrs["local_dims"]))
+            if attrs.get("zero_padding", False):
+                # conv1d(input, weight, bias, stride, padding, ...): sp.halo padded the input.
+                if len(args) > 4:
+                    args = tuple(args[:4]) + (0,) + tuple(args[5:])
+                else:
+                    kwargs = dict(kwargs, padding=0)
             if "unslice_dim" in attrs:
                 # sp.shift already took this rank's part of the sliced sequence dim.
                 target, args, kwargs = _unslice(fxn, args, kwargs, attrs["unslice_dim"])
@@ -249,6 +255,9 @@ class _Replayer:
         if op == "sp.slice":
             node = g.call_function(collectives.local_chunk, (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank,
                                                              ctx.world, a.get("offset", 0)))
+        elif op == "sp.halo":
+            node = g.call_function(collectives.halo, (ins[0], a["dim"], a["left"], a["right"], a["last_pad"],
+                                                      ctx.group, ctx.rank, ctx.world))
         elif op == "sp.shift":
             node = g.call_function(collectives.shift, (ins[0], a["dim"], a["start"], a["offset"],
                                                        a.get("in_offset", 0), ctx.group, ctx.rank, ctx.world))

@@ -505,6 +505,8 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         return "repeat", _tensor_inputs(node, only=[0]), {"repeats": [_int(r) for r in reps]}
     if name in ("tril", "triu"):
         return name, _tensor_inputs(node, only=[0]), {}
+    if name == "conv1d":
+        return "conv1d", _tensor_inputs(node, only=[0, 1, 2], kw=["input", "weight", "bias"]), _conv1d_attrs(node)
     if name == "linear":
         first = (node.args[0], ("args", 0)) if node.args else (node.kwargs["input"], ("kwargs", "input"))
         return "linear", [first] + _tensor_inputs(node, only=[1, 2], kw=["weight", "bias"]), {}
@@ -632,6 +634,33 @@ def _perm(node: fx.Node, name: str, rank: int) -> list[int]:
         out[d] = s
     rest = iter(i for i in range(rank) if i not in src)
     return [o if o >= 0 else next(rest) for o in out]
+
+
+def _conv1d_attrs(node: fx.Node) -> dict[str, Any]:
+    """conv1d(input, weight, bias, stride, padding, dilation, groups) as static ints: stride,
+    dilation, kernel and the padding on each side ('same' puts the odd element on the right);
+    empty when any of them is not a static int."""
+    def one(v: Any) -> Any:
+        if isinstance(v, (tuple, list)) and len(v) == 1:
+            v = v[0]
+        return v if isinstance(v, int) else None
+
+    w = _example(_arg(node, 1, "weight"))
+    stride, dilation = one(_arg(node, 3, "stride", 1)), one(_arg(node, 5, "dilation", 1))
+    kernel = w.shape[-1] if isinstance(w, torch.Tensor) and isinstance(w.shape[-1], int) else None
+    padding = _arg(node, 4, "padding", 0)
+    if None in (stride, dilation, kernel):
+        return {}
+    span = dilation * (kernel - 1)
+    if padding == "valid":
+        left = right = 0
+    elif padding == "same":
+        left, right = span // 2, span - span // 2
+    elif one(padding) is not None:
+        left = right = one(padding)
+    else:
+        return {}
+    return {"stride": stride, "dilation": dilation, "kernel": kernel, "pad_left": left, "pad_right": right}
 
 
 def _static_start(it: slice) -> int:

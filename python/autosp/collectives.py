@@ -149,6 +149,43 @@ def shift(x: torch.Tensor, dim: int, start: int, offset: int, in_offset: int, gr
     return torch.cat([x, heads[(rank + 1) % world]], dim=dim).narrow(dim, start, length)
 
 
+def halo(x: torch.Tensor, dim: int, left: int, right: int, last_pad: int, group: str, rank: int,
+         world: int) -> torch.Tensor:
+    """This rank's chunk ``x`` along the sharded sequence dim ``dim``, extended by what a
+    convolution's outputs at its positions read beyond it: the last ``left`` positions of the
+    previous rank's chunk (zeros on rank 0: the conv's left padding) and the first ``right``
+    of the next one's; the last rank ends with ``last_pad`` zeros (the right padding) instead.
+    Every rank gathers and reads the exchanged positions alike (slot 0 of the padded stack is
+    rank 0's zeros), so no rank's compiler drops a collective the others wait in. The backward
+    returns each exchanged position's gradient to the rank it came from."""
+    c = x.size(dim)
+    if max(left, right) > c:
+        raise AutospError(
+            f"[autosp:apply] a convolution along the sequence reading {left} positions back and "
+            f"{right} ahead: found {c} positions per rank; expected at least {max(left, right)}. "
+            "Use a longer sequence or a smaller SP degree.")
+    parts = []
+    if left > 0:
+        tails = _GatherStack.apply(x.narrow(dim, c - left, left), group, rank, True)
+        padded = torch.cat([torch.zeros_like(tails[:1]), tails], dim=0)  # slot r: rank r-1's
+        parts.append(padded[rank])
+    parts.append(x)
+    if right > 0:
+        heads = _GatherStack.apply(x.narrow(dim, 0, right), group, rank, True)
+        padded = torch.cat([heads, torch.zeros_like(heads[:1])], dim=0)  # slot world: zeros
+        parts.append(padded[rank + 1])
+    ext = torch.cat(parts, dim=dim) if len(parts) > 1 else x
+    if rank == world - 1 and last_pad != right:  # the right padding's zeros, not the next chunk
+        n = ext.size(dim)
+        if last_pad < right:
+            ext = ext.narrow(dim, 0, n - (right - last_pad))
+        else:
+            shape = list(ext.shape)
+            shape[dim] = last_pad - right
+            ext = torch.cat([ext, ext.new_zeros(shape)], dim=dim)
+    return ext
+
+
 def _global_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
     shape = list(x.shape)
     shape[dim] *= world

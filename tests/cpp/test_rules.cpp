@@ -646,6 +646,54 @@ TEST(PadRule, PadsOtherDimsOnly) {
   EXPECT_TRUE(contains(msg, "pad the full-length labels"));
 }
 
+// A conv along the sharded sequence reads a halo from its neighbours and runs unpadded.
+TEST(Conv1dRule, HaloAlongTheSequence) {
+  GraphBuilder b;
+  const int x = b.input("x", {C(2), C(8), S()}, "f32", "data");
+  const int w = b.input("w", {C(8), C(1), C(4)}, "f32", "param");
+  auto conv = [&](std::vector<Dim> out, int64_t left, int64_t right, int64_t stride = 1) {
+    return b.at(12, "y = self.conv(x)")
+        .op("conv1d", {x, w}, std::move(out),
+            {{"stride", stride},
+             {"dilation", int64_t{1}},
+             {"kernel", int64_t{4}},
+             {"pad_left", left},
+             {"pad_right", right}});
+  };
+  auto halo = [](int64_t left, int64_t right, int64_t last_pad) {
+    return Outcome{{Sh(2)},
+                   {Keep, Keep},
+                   {{"halo_left", left}, {"halo_right", right}, {"halo_last_pad", last_pad}},
+                   "halo"};
+  };
+  // Causal (padding 3 both sides, the output cut back to S later): 3 back, none ahead.
+  EXPECT_EQ(run_rule(b, conv({C(2), C(8), Dim::seq(1, 1, 3)}, 3, 3), {Sh(2), R}), halo(3, 0, 3));
+  // 'same' (1 left, 2 right): 1 back, 2 ahead; valid: 3 ahead, S - 3 outputs.
+  EXPECT_EQ(run_rule(b, conv({C(2), C(8), S()}, 1, 2), {Sh(2), R}), halo(1, 2, 2));
+  EXPECT_EQ(run_rule(b, conv({C(2), C(8), Dim::seq(1, 1, -3)}, 0, 0), {Sh(2), R}), halo(0, 3, 0));
+  // Replicated input: nothing to do; the sequence in the batch dim passes through.
+  EXPECT_EQ(run_rule(b, conv({C(2), C(8), Dim::seq(1, 1, 3)}, 3, 3), {R, R}),
+            (Outcome{{R}, {Keep, Keep}}));
+  const int tokens = b.input("t", {S(2), C(8), C(16)}, "f32", "data");
+  const int per_token = b.op("conv1d", {tokens, w}, {S(2), C(8), C(13)},
+                             {{"stride", int64_t{1}},
+                              {"dilation", int64_t{1}},
+                              {"kernel", int64_t{4}},
+                              {"pad_left", int64_t{0}},
+                              {"pad_right", int64_t{0}}});
+  EXPECT_EQ(run_rule(b, per_token, {Sh(0), R}), (Outcome{{Sh(0)}, {Keep, Keep}}));
+  // Strided, and sharded weights, are refused.
+  const std::string strided =
+      rule_error(b, conv({C(2), C(8), Dim::expr("s0//2")}, 1, 1, 2), {Sh(2), R});
+  EXPECT_TRUE(contains(strided,
+                       "op 'conv1d' at model.py:12  y = self.conv(x): found input 0 "
+                       "f32[2, 8, S] placed S(2), convolved along its sharded dim 2 "
+                       "(stride 2, padding 1/1, dilation*(kernel-1) 3)"))
+      << strided;
+  EXPECT_TRUE(contains(rule_error(b, conv({C(2), C(8), S()}, 1, 2), {Sh(2), Sh(2)}),
+                       "as the conv's weight or bias"));
+}
+
 TEST(TrilRule, SequenceInTheMatrixIsAnError) {
   GraphBuilder b;
   const int x = b.input("x", {S(), C(4), C(4)}, "f32", "data");
