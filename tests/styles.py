@@ -923,6 +923,8 @@ def run_case(name: str, build: Callable[[], nn.Module],
         internal = "internal error" in str(exc).split(":", 1)[0] + str(exc)[:60]
         result["outcome"] = CRASH if internal else AUTOSP_ERROR
         result["detail"] = str(exc)[:3000]
+        if internal:  # where it went wrong inside autosp
+            result["detail"] += "\n..." + traceback.format_exc()[-4000:]
     except AssertionError as exc:  # e.g. a gradient that is None: the compiler dropped it
         result["outcome"] = MISMATCH
         result["detail"] = f"AssertionError: {str(exc)[:2000]}"
