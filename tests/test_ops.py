@@ -39,6 +39,24 @@ def test_pointwise_set_is_torchs() -> None:
         assert not is_pointwise(name), name
 
 
+def test_where_of_a_condition_alone_is_nonzero_not_pointwise() -> None:
+    """torch.where(cond) returns data-dependent indices (nonzero): it must not take the
+    pointwise rule that where(cond, a, b) takes, though both are overloads of one tagged op."""
+    from autosp.bridge import canonicalize
+
+    gm = torch.fx.symbolic_trace(lambda c, a, b: (torch.where(c), torch.where(c, a, b)))
+    example = {"c": torch.ones(2, 4, dtype=torch.bool), "a": torch.ones(2, 4), "b": torch.zeros(2, 4)}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["example_value"] = example[n.name]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    calls[0].meta["example_value"] = (torch.zeros(8, dtype=torch.long),) * 2
+    calls[1].meta["example_value"] = torch.ones(2, 4)
+    assert canonicalize(calls[0])[0] == "nonzero"
+    op, _, attrs = canonicalize(calls[1])
+    assert op == "where" and is_pointwise(op)
+
+
 @pytest.mark.parametrize("name", sorted(UNTAGGED_POINTWISE))
 def test_untagged_pointwise_functions_are_elementwise(name: str) -> None:
     # Each entry of the hand-kept supplement computes every element from the same element

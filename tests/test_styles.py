@@ -32,8 +32,8 @@ def _xfail(reason: str) -> pytest.MarkDecorator:
 
 # The exact refusal each failing style meets today (the first line of the AutospError).
 XFAIL = {
-    "moe-index-add-aux": "[autosp:ulysses] op 'one_hot' found input 0 placed S(0) "
-    "([2*S, 2]); no rule for 'one_hot' on a sequence-sharded tensor",
+    "moe-index-add-aux": "[autosp:ulysses] op 'nonzero' (torch.where) found input 0 placed S(1) "
+    "([2, 2*S]); no rule for 'nonzero' on a sequence-sharded tensor (token-local regions)",
 }
 
 # Styles Ulysses cannot run exactly as written: a clear refusal naming the op is the
@@ -145,9 +145,10 @@ def test_rank_asymmetric_styles_under_inductor() -> None:
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Inductor fails to compile the last rank's halo for a conv along the "
-                          "sequence (cannot order the strides 32*(S/2//1) and 2 symbolically): an "
-                          "internal AutospError on that rank; exact with aot_eager")
+                   reason="Inductor fails to compile the last rank's graph of a model with a conv "
+                          "along the sequence: the Ulysses all-to-all's reshape gets strides "
+                          "32*Max(1, S//2) that it cannot order symbolically (an internal "
+                          "AutospError on that rank); exact with aot_eager")
 def test_conv_halo_under_inductor() -> None:
     per_rank = run_ranks(2, _inductor_worker, SEQ_LEN[2], ["conv1d-same-dilated"], timeout=RANK_TIMEOUT_S)
     for rank, results_ in enumerate(per_rank):

@@ -410,6 +410,10 @@ def canonicalize(node: fx.Node) -> tuple[str, list[tuple[fx.Node | None, ArgPath
         return "nontensor", [], {"grad_enabled": node.args[0]}
     if name in _NONTENSOR or (not isinstance(ex, (torch.Tensor, tuple, list)) and not _tensor_inputs(node)):
         return ("sym_arith" if isinstance(ex, (torch.SymInt, int, float)) else "nontensor"), [], {}
+    if name == "where" and len(node.args) + len(node.kwargs) == 1:
+        # torch.where(cond) is nonzero (data-dependent indices), not the pointwise where(c, a, b)
+        # whose overloads carry torch's pointwise tag.
+        return "nonzero", _tensor_inputs(node), {}
     if name in ("size", "sym_size", "dim", "numel", "stride") or (name == "getattr"):
         if name in ("size", "sym_size") and len(node.args) > 1:
             return "sym_size", _tensor_inputs(node, only=[0]), {"dim": _norm(_int(node.args[1]), xr)}
