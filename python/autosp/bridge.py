@@ -339,8 +339,10 @@ class _Converter:
             attrs = dict(attrs, refs=refs)
         if _is_inplace(node):
             attrs = dict(attrs, inplace=True)
-        if is_pointwise(op):
-            attrs = dict(attrs, pointwise=True)  # the core's elementwise rule takes it
+        if is_pointwise(op) and op not in _REDUCTIONS:
+            # The core's elementwise rule takes it. Torch tags ops per overload and the bridge
+            # sees packets: max(x, dim) is a reduction though max(x, y) is pointwise.
+            attrs = dict(attrs, pointwise=True)
         self.add_node(node, op, inputs, attrs)
         if _is_inplace(node) and _is_tensor_node(node.args[0]) and node in self.res.value_of:
             # x.add_(y): later uses of x read the mutated value, i.e. this node's result.
