@@ -1,0 +1,153 @@
+// Placement rules: linear algebra: linear, matmul, einsum, layer norms.
+#include <algorithm>
+
+#include "analysis/rule_kit.h"
+
+namespace autosp::rule_kit {
+
+RuleResult rule_linear(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  for (size_t i = 1; i < r.in.size(); ++i)
+    if (!r.in[i].is_replicate())
+      conflict(r, describe_input(r, i) + " (a weight or bias)", "replicated weights and bias");
+  const Value& x = input_value(r, 0);
+  if (r.in[0].dim == x.rank() - 1)
+    conflict(r, describe_input(r, 0) + ", sharded along its feature (contraction) dim",
+             "the sequence in a leading dim");
+  return keep_all(r, {r.in[0]});
+}
+
+RuleResult rule_matmul(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const Value& a = input_value(r, 0);
+  const Value& b = input_value(r, 1);
+  const Value& out = output_value(r, 0);
+  if (a.rank() < 2 || b.rank() < 2)
+    conflict(r, "a matrix-vector product with a sharded operand", "operands of rank >= 2");
+  const int ro = out.rank();
+  const Placement pa = r.in[0], pb = r.in[1];
+  RuleResult res;
+  res.operands.assign(2, OperandChange::keep());
+  // Contraction over the sequence: a[..., M, S] @ b[..., S, N] gives a partial sum.
+  const bool a_k = pa.is_shard() && pa.dim == a.rank() - 1;
+  const bool b_k = pb.is_shard() && pb.dim == b.rank() - 2;
+  if (a_k || b_k) {
+    if (a_k && b_k && pa.inner == pb.inner) {
+      res.out = {Placement::partial()};
+      return res;
+    }
+    if (a_k && pb.is_replicate()) {
+      res.operands[1] = OperandChange::slice(b.rank() - 2, pa.inner);
+      res.out = {Placement::partial()};
+      return res;
+    }
+    if (b_k && pa.is_replicate()) {
+      res.operands[0] = OperandChange::slice(a.rank() - 1, pb.inner);
+      res.out = {Placement::partial()};
+      return res;
+    }
+    conflict(r,
+             describe_input(r, 0) + " and " + describe_input(r, 1) +
+                 ": one operand is sharded along the contraction dim, the other elsewhere",
+             "both operands sharded along the contraction dim, or one of them replicated",
+             "This looks like attention written by hand (probs @ v); use "
+             "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+  }
+  std::optional<Placement> outp;
+  auto set = [&](Placement p) {
+    if (outp && !(*outp == p))
+      conflict(r,
+               describe_input(r, 0) + " and " + describe_input(r, 1) +
+                   ": both operands are sharded along the sequence in different output dims",
+               "at most one sequence-sharded operand in a matmul",
+               "This looks like attention written by hand (q @ k.transpose(-2, -1)); use "
+               "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+    outp = p;
+  };
+  if (pa.is_shard())
+    set(Placement::shard(pa.dim == a.rank() - 2 ? ro - 2 : pa.dim + (ro - a.rank()), pa.inner));
+  if (pb.is_shard()) {
+    if (pb.dim == b.rank() - 1)
+      set(Placement::shard(ro - 1, pb.inner));
+    else
+      set(Placement::shard(pb.dim + (ro - b.rank()), pb.inner));
+  }
+  // A batch-dim shard on one side needs the replicated other side sliced in that dim.
+  if (outp && outp->dim < ro - 2) {
+    for (int i = 0; i < 2; ++i) {
+      const Value& v = i == 0 ? a : b;
+      if (!r.in[i].is_replicate()) continue;
+      const int k = outp->dim - (ro - v.rank());
+      if (k >= 0 && !v.shape[k].is_one()) res.operands[i] = OperandChange::slice(k, outp->inner);
+    }
+  }
+  res.out = {*outp};
+  return res;
+}
+
+// einsum: the sequence letter is the one a sharded operand has at its sharded dim. Kept in
+// the output, the output is sharded there; contracted, the output is a partial sum. Replicated
+// operands that carry the letter are sliced to the local chunk.
+//   "bsd,de->bse" with S(1), R -> S(1);   "bsd,bse->de" with S(1), S(1) -> P
+RuleResult rule_einsum(const RuleInput& r) {
+  if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
+  const std::string eq = r.node.str_attr("equation", "");
+  const size_t arrow = eq.find("->");
+  if (arrow == std::string::npos || eq.find('.') != std::string::npos)
+    conflict(r, "equation \"" + eq + "\" on a sequence-sharded operand",
+             "an explicit output (\"->\") and no ellipsis");
+  std::vector<std::string> terms;
+  for (size_t b = 0, e;; b = e + 1) {
+    e = eq.find(',', b);
+    terms.push_back(eq.substr(b, std::min(e, arrow) - b));
+    if (e == std::string::npos || e > arrow) break;
+  }
+  const std::string out_term = eq.substr(arrow + 2);
+  if (terms.size() != r.in.size())
+    conflict(
+        r, std::to_string(terms.size()) + " terms for " + std::to_string(r.in.size()) + " operands",
+        "one term per operand");
+  char letter = 0;
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (!r.in[i].is_shard()) continue;
+    if (r.in[i].inner != 1 || r.in[i].dim >= static_cast<int>(terms[i].size()))
+      conflict(r, describe_input(r, i), "the sequence as a dim of its own");
+    const char c = terms[i][static_cast<size_t>(r.in[i].dim)];
+    if (letter != 0 && c != letter)
+      conflict(r,
+               "operands sharded along different letters ('" + std::string(1, letter) + "' and '" +
+                   std::string(1, c) + "') of \"" + eq + "\"",
+               "one sequence letter",
+               "This looks like attention written by hand; use "
+               "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+    letter = c;
+  }
+  RuleResult res;
+  res.operands.assign(r.in.size(), OperandChange::keep());
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    const size_t k = terms[i].find(letter);
+    if (std::count(terms[i].begin(), terms[i].end(), letter) > 1)
+      conflict(r, "the sequence letter repeated in \"" + terms[i] + "\"", "a letter once per term");
+    if (r.in[i].is_replicate() && k != std::string::npos)
+      res.operands[i] = OperandChange::slice(static_cast<int>(k));
+    if (r.in[i].is_shard() && k != static_cast<size_t>(r.in[i].dim))
+      conflict(r, describe_input(r, i), "operands sharded along the same letter");
+  }
+  const size_t o = out_term.find(letter);
+  res.out = {o == std::string::npos ? Placement::partial() : Placement::shard(static_cast<int>(o))};
+  return res;
+}
+
+// layer_norm / rms_norm normalise over the last `norm_dims` dims; the sequence must lie
+// outside them. Weight and bias broadcast like elementwise operands.
+RuleResult rule_layer_norm(const RuleInput& r) {
+  if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
+  const int rank = input_value(r, 0).rank();
+  const int first_normed = rank - static_cast<int>(r.node.int_attr("norm_dims", 1));
+  if (r.in[0].dim >= first_normed)
+    conflict(r, describe_input(r, 0) + ", normalised over dims >= " + std::to_string(first_normed),
+             "normalisation over dims that do not hold the sharded sequence");
+  return rule_elementwise(r);
+}
+
+}  // namespace autosp::rule_kit
