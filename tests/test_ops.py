@@ -42,7 +42,7 @@ def test_pointwise_set_is_torchs() -> None:
 def test_where_of_a_condition_alone_is_nonzero_not_pointwise() -> None:
     """torch.where(cond) returns data-dependent indices (nonzero): it must not take the
     pointwise rule that where(cond, a, b) takes, though both are overloads of one tagged op."""
-    from autosp.bridge import canonicalize
+    from autosp.canon import canonicalize
 
     gm = torch.fx.symbolic_trace(lambda c, a, b: (torch.where(c), torch.where(c, a, b)))
     example = {"c": torch.ones(2, 4, dtype=torch.bool), "a": torch.ones(2, 4), "b": torch.zeros(2, 4)}

@@ -1,0 +1,596 @@
+"""FX nodes to canonical core ops: for each Torch-level function, method or operator Dynamo
+records, the core op name, its tensor operands (with where they sit in the call's arguments)
+and the attributes the placement rules read.
+
+``canonicalize`` looks the function up in ``CANONICAL`` (one entry per Torch-level name or
+name family); a name without an entry keeps its own name, its tensor operands in order and
+no attributes (the core then finds a rule by name, takes it as pointwise from torch's tags,
+or refuses it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+ArgPath = tuple
+
+_ALIASES = {
+    "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "clip": "clamp",
+    "and_": "bitwise_and", "or_": "bitwise_or", "invert": "logical_not", "multiply": "mul",
+    "subtract": "sub", "divide": "div", "true_divide": "div", "negative": "neg",
+    "concat": "cat", "concatenate": "cat", "swapaxes": "transpose", "swapdims": "transpose",
+    "scaled_dot_product_attention": "sdpa", "matmul": "matmul", "mm": "matmul", "bmm": "matmul",
+    "greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le", "not_equal": "ne",
+    "zeros_like": "fill_like", "ones_like": "fill_like", "full_like": "fill_like",
+    "empty_like": "fill_like",
+    "new_zeros": "new_full", "new_ones": "new_full", "new_empty": "new_full",
+    # In-place operators (x /= y) compute what their out-of-place forms do.
+    "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div", "ifloordiv": "floor_divide",
+    "imod": "remainder", "ipow": "pow", "iand": "bitwise_and", "ior": "bitwise_or",
+}
+
+
+_CASTS = {"float", "half", "bfloat16", "double", "to", "type_as", "type", "int", "long", "bool"}
+
+
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "logsumexp",
+               "norm", "all", "any", "argmax", "argmin"}
+
+
+_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "sort", "argsort"}
+
+
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
+             "reshape_as", "ravel"}
+
+
+_FACTORIES = {"arange", "ones", "zeros", "full", "empty", "rand", "randn", "randint",
+              "tensor", "scalar_tensor", "linspace"}
+
+
+_NONTENSOR = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled",
+              "autocast", "_record_function_enter_new", "_record_function_exit"}
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        name = t
+    else:
+        name = getattr(t, "__name__", None) or str(t)
+    if name.endswith("_") and not name.startswith("_") and name not in ("and_", "or_"):
+        name = name[:-1]  # in-place variants
+    return name
+
+
+def _example(node: Any) -> Any:
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def _is_tensor_node(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(_example(a), torch.Tensor)
+
+
+def _flatten_args(a: Any, path: ArgPath) -> Iterable[tuple[Any, ArgPath]]:
+    if isinstance(a, (tuple, list)):
+        for j, x in enumerate(a):
+            yield from _flatten_args(x, path + (j,))
+    else:
+        yield a, path
+
+
+def _tensor_inputs(node: fx.Node, only: Iterable[int] | None = None,
+                   kw: Iterable[str] | None = None) -> list[tuple[fx.Node, ArgPath]]:
+    out = []
+    for i, a in enumerate(node.args):
+        if only is not None and i not in only:
+            continue
+        for n, p in _flatten_args(a, ("args", i)):
+            if _is_tensor_node(n):
+                out.append((n, p))
+    for k, a in node.kwargs.items():
+        if kw is not None and k not in kw:
+            continue
+        for n, p in _flatten_args(a, ("kwargs", k)):
+            if _is_tensor_node(n):
+                out.append((n, p))
+    return out
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _rank(n: Any) -> int:
+    ex = _example(n)
+    return ex.dim() if isinstance(ex, torch.Tensor) else 0
+
+
+def _norm(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _int(x: Any) -> int:
+    if isinstance(x, fx.Node):
+        ex = _example(x)
+        return int(ex) if not isinstance(ex, torch.SymInt) else 1
+    return int(x)
+
+
+Canon = tuple[str, list[tuple[fx.Node | None, ArgPath]], dict[str, Any]]
+# A handler gets the node, its (alias-resolved) name, its first argument and that argument's
+# rank, and returns the canonical op, tensor operands with arg paths, and attributes.
+Handler = Callable[[fx.Node, str, Any, int], Canon]
+CANONICAL: dict[str, Handler] = {}
+
+
+def _canon(*names: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for n in names:
+            if n in CANONICAL:
+                raise AssertionError(f"two canonicalisations for {n!r}")
+            CANONICAL[n] = fn
+        return fn
+    return register
+
+
+def canonicalize(node: fx.Node) -> Canon:
+    """(canonical op, tensor operands with their arg paths, attributes) for one FX node."""
+    if node.op not in ("call_function", "call_method"):
+        return node.op, _tensor_inputs(node), {}
+    name = _target_name(node)
+    name = _ALIASES.get(name, name)
+    ex = _example(node)
+    if name in ("_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):
+        # The plan needs the grad mode: a gradient sync placed in a no_grad region is lost.
+        return "nontensor", [], {"grad_enabled": node.args[0]}
+    if name in _NONTENSOR or (not isinstance(ex, (torch.Tensor, tuple, list)) and not _tensor_inputs(node)):
+        return ("sym_arith" if isinstance(ex, (torch.SymInt, int, float)) else "nontensor"), [], {}
+    x = node.args[0] if node.args else None
+    handler = CANONICAL.get(name)
+    if handler is None:
+        return name, _tensor_inputs(node), {}
+    return handler(node, name, x, _rank(x))
+
+
+@_canon("where")
+def _c_where(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    if len(node.args) + len(node.kwargs) == 1:
+        # torch.where(cond) is nonzero (data-dependent indices), not the pointwise where(c, a, b)
+        # whose overloads carry torch's pointwise tag.
+        return "nonzero", _tensor_inputs(node), {}
+    return name, _tensor_inputs(node), {}
+
+
+@_canon("size", "sym_size", "dim", "numel", "stride", "getattr")
+def _c_size(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    if name in ("size", "sym_size") and len(node.args) > 1:
+        return "sym_size", _tensor_inputs(node, only=[0]), {"dim": _norm(_int(node.args[1]), xr)}
+    if name in ("size", "numel") and _is_tensor_node(x):
+        # x.size() / x.shape (a torch.Size) and x.numel() of a tensor: global on one device,
+        # so the plan must see them (a sharded x reports its local sizes).
+        return "sym_size", _tensor_inputs(node, only=[0]), {"whole": name}
+    return "nontensor", [], {}
+
+
+@_canon("getitem")
+def _c_getitem(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    if isinstance(_example(x), torch.Tensor):
+        return _canon_index(node)
+    return "nontensor", [], {}
+
+
+@_canon(*_CASTS)
+def _c_cast(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return "to", _tensor_inputs(node, only=[0]), {}
+
+
+@_canon(*_REDUCTIONS)
+def _c_reduction(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    if name in ("max", "min") and len(node.args) > 1 and _is_tensor_node(node.args[1]):
+        return ("maximum" if name == "max" else "minimum"), _tensor_inputs(node), {}
+    dims = _arg(node, 1, "dim")
+    if dims is None:
+        dims = node.kwargs.get("axis")
+    if isinstance(dims, (int, fx.Node)):
+        dims = [dims]
+    dims = [] if dims is None else [_norm(_int(d), xr) for d in dims]
+    keepdim = bool(_arg(node, 2, "keepdim", False))
+    return name, _tensor_inputs(node, only=[0]), {"dims": dims, "keepdim": keepdim}
+
+
+@_canon(*_ALONG_DIM)
+def _c_along_dim(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return name, _tensor_inputs(node, only=[0]), {"dim": _norm(_int(_arg(node, 1, "dim", -1)), xr)}
+
+
+@_canon("topk")
+def _c_topk(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return name, _tensor_inputs(node, only=[0]), {"dim": _norm(_int(_arg(node, 2, "dim", -1)), xr)}
+
+
+@_canon("layer_norm", "rms_norm", "group_norm")
+def _c_norm(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    shape = _arg(node, 1, "normalized_shape")
+    count = len(shape) if isinstance(shape, (tuple, list)) else 1
+    return "layer_norm", _tensor_inputs(node), {"norm_dims": count}
+
+
+@_canon(*_RESHAPES)
+def _c_reshape(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return "reshape", _tensor_inputs(node, only=[0]), {}
+
+
+@_canon("expand", "expand_as", "broadcast_to")
+def _c_expand(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return "expand", _tensor_inputs(node, only=[0]), {}
+
+
+@_canon("transpose", "permute", "t", "movedim", "moveaxis")
+def _c_permute(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return "permute", _tensor_inputs(node, only=[0]), {"perm": _perm(node, name, xr)}
+
+
+@_canon("narrow", "select")
+def _c_narrow(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    d = _norm(_int(_arg(node, 1, "dim")), xr)
+    dim_map = list(range(xr))
+    start = -1
+    if name == "select":
+        dim_map = [i if i < d else (-1 if i == d else i - 1) for i in range(xr)]
+    else:
+        s0 = _arg(node, 2, "start")
+        start = s0 if isinstance(s0, int) and s0 >= 0 else -1
+    return "index", _tensor_inputs(node, only=[0]), {"dim_map": dim_map, "sliced_dims": [d],
+                                                     "slice_starts": [start]}
+
+
+@_canon("cat", "stack")
+def _c_cat(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    ex = _example(node)
+    rank = ex.dim() if isinstance(ex, torch.Tensor) else 0
+    dim = _norm(_int(_arg(node, 1, "dim", 0)), rank)
+    operands = _tensor_inputs(node, only=[0], kw=["tensors"])
+    if name == "cat":
+        # Operands that contribute nothing (torch.cat skips legacy 1-D empty tensors, and
+        # one of size 0 along the cat dim adds no element) are not data inputs; they stay
+        # alive as refs. A cat of one remaining operand is that operand: an alias (e.g. a
+        # KV cache that starts from torch.tensor([]) and concatenates the new keys).
+        operands = [(n, p) for n, p in operands if not _adds_nothing(_example(n), dim)]
+        if len(operands) == 1:
+            return "alias", operands, {}
+    return name, operands, {"dim": dim}
+
+
+@_canon("split", "chunk", "unbind", "split_with_sizes", "tensor_split")
+def _c_split(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    d = _arg(node, 1 if name == "unbind" else 2, "dim", 0)
+    return ("split" if name != "unbind" else "unbind"), _tensor_inputs(node, only=[0]), {"dim": _norm(_int(d), xr)}
+
+
+@_canon("einsum")
+def _c_einsum(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    equation = node.args[0] if node.args else node.kwargs.get("equation")
+    return "einsum", _tensor_inputs(node), {"equation": str(equation).replace(" ", "")}
+
+
+@_canon("scatter", "scatter_add", "scatter_reduce", "gather", "index_select", "index_add", "index_copy",
+        "index_fill")
+def _c_scatter(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    # (input, dim, index[, src]): the tensors in order, the dim normalised.
+    return name, _tensor_inputs(node), {"dim": _norm(_int(_arg(node, 1, "dim")), xr)}
+
+
+@_canon("one_hot", "tril", "triu", "fill_like", "rand_like", "randn_like")
+def _c_first_only(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return name, _tensor_inputs(node, only=[0]), {}
+
+
+@_canon("pad")
+def _c_pad(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    pad = _arg(node, 1, "pad")
+    return "pad", _tensor_inputs(node, only=[0]), {"pad": [_int(p) if not isinstance(p, fx.Node) else 1 for p in pad]}
+
+
+@_canon("repeat_interleave")
+def _c_repeat_interleave(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    repeats = _arg(node, 1, "repeats")
+    dim = _arg(node, 2, "dim")
+    attrs = {} if dim is None else {"dim": _norm(_int(dim), xr)}
+    if not _is_tensor_node(repeats):
+        attrs["repeats"] = _int(repeats)
+    return name, _tensor_inputs(node, only=[0, 1], kw=["repeats"]), attrs
+
+
+@_canon("repeat", "tile")
+def _c_repeat(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    reps = list(node.args[1:])
+    if len(reps) == 1 and isinstance(reps[0], (tuple, list)):
+        reps = list(reps[0])
+    if not reps:
+        reps = list(node.kwargs.get("repeats", node.kwargs.get("dims", ())))
+    return "repeat", _tensor_inputs(node, only=[0]), {"repeats": [_int(r) for r in reps]}
+
+
+@_canon("conv1d")
+def _c_conv1d(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return "conv1d", _tensor_inputs(node, only=[0, 1, 2], kw=["input", "weight", "bias"]), _conv1d_attrs(node)
+
+
+@_canon("linear")
+def _c_linear(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    first = (node.args[0], ("args", 0)) if node.args else (node.kwargs["input"], ("kwargs", "input"))
+    return "linear", [first] + _tensor_inputs(node, only=[1, 2], kw=["weight", "bias"]), {}
+
+
+@_canon("addmm")
+def _c_addmm(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    # addmm(bias, x, w) = beta * bias + alpha * (x @ w): with a bias that broadcasts over
+    # the rows (1-D), a linear layer with the weight transposed (GPT-2's Conv1D). The
+    # placement rule sees the operands in linear's order: x, weight, bias.
+    bias = (_arg(node, 0, "input"), ("args", 0) if node.args else ("kwargs", "input"))
+    mat1 = (_arg(node, 1, "mat1"), ("args", 1) if len(node.args) > 1 else ("kwargs", "mat1"))
+    mat2 = (_arg(node, 2, "mat2"), ("args", 2) if len(node.args) > 2 else ("kwargs", "mat2"))
+    if _rank(bias[0]) <= 1 and all(_is_tensor_node(a) for a, _ in (bias, mat1, mat2)):
+        return "linear", [mat1, mat2, bias], {}
+    return "addmm", _tensor_inputs(node), {}
+
+
+@_canon("embedding")
+def _c_embedding(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    # max_norm renormalises the rows the ids hit, in place in the table: each rank would
+    # renormalise only the rows its chunk uses.
+    max_norm = _arg(node, 3, "max_norm")
+    return "embedding", _tensor_inputs(node, only=[0, 1], kw=["input", "weight"]), (
+        {"max_norm": True} if max_norm is not None else {})
+
+
+def _optional_tensors(node: fx.Node, keys: tuple[str, ...]) -> list[tuple[fx.Node | None, ArgPath]]:
+    """The operands at ``keys`` (positional or keyword), None where absent or not a tensor."""
+    ins: list[tuple[fx.Node | None, ArgPath]] = []
+    for i, k in enumerate(keys):
+        a, p = (node.args[i], ("args", i)) if len(node.args) > i else (node.kwargs.get(k), ("kwargs", k))
+        ins.append((a if _is_tensor_node(a) else None, p))
+    return ins
+
+
+@_canon("sdpa")
+def _c_sdpa(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    ins = _optional_tensors(node, ("query", "key", "value", "attn_mask"))
+    if ins[3][0] is None:
+        ins = ins[:3]
+    attrs = {
+        "is_causal": bool(_arg(node, 5, "is_causal", False)),
+        "enable_gqa": bool(node.kwargs.get("enable_gqa", False)),
+    }
+    dropout_p = _arg(node, 4, "dropout_p", 0.0)
+    if isinstance(dropout_p, fx.Node) or float(dropout_p) != 0.0:
+        attrs["dropout_p"] = 1.0 if isinstance(dropout_p, fx.Node) else float(dropout_p)
+    return "sdpa", ins, attrs
+
+
+@_canon("flex_attention")
+def _c_flex(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    return _canon_flex(node)
+
+
+@_canon("cross_entropy")
+def _c_cross_entropy(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    ins = _optional_tensors(node, ("input", "target", "weight"))
+    if ins[2][0] is None:
+        ins = ins[:2]
+    return "cross_entropy", ins, {
+        "reduction": str(_arg(node, 6, "reduction", "mean")),
+        "ignore_index": _int(_arg(node, 4, "ignore_index", -100)),
+    }
+
+
+@_canon("new_full", "new_tensor", *_FACTORIES)
+def _c_factory(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    if name == "new_full" and _is_tensor_node(x):
+        # x.new_empty(size) / new_zeros / new_ones / new_full: values that do not depend on the
+        # position, so the core may allocate them sharded like x (MLA's key buffer).
+        return "new_full", _tensor_inputs(node, only=[0]), {}
+    return ("new_full" if name in ("new_full", "new_tensor") else name), [], {}
+
+
+def _reads_head_index(gm: Any, index: int) -> bool:
+    """Whether a score_mod / mask_mod graph reads its head-index argument (placeholder
+    ``index``): under Ulysses each rank runs H/P heads and flex_attention passes the local
+    head index."""
+    if not isinstance(gm, fx.GraphModule):
+        return True  # unknown: assume it does
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return index < len(holders) and len(holders[index].users) > 0
+
+
+def _canon_flex(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
+    """flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_mod_buffers,
+    mask_mod_buffers): q, k and v, then the block mask's tensors, then the mods' buffers."""
+    owner = node.graph.owning_module
+    q_k_v = _tensor_inputs(node, only=[0, 1, 2])
+    block_mask = _tensor_inputs(node, only=[4])
+    buffers = _tensor_inputs(node, only=[7, 8])
+    score_mod = node.args[3] if len(node.args) > 3 else None
+    mask_mod = node.args[4][-1] if len(node.args) > 4 and isinstance(node.args[4], (tuple, list)) else None
+
+    def mod(n: Any) -> Any:
+        return getattr(owner, n.target, None) if isinstance(n, fx.Node) and n.op == "get_attr" else n
+
+    heads = _reads_head_index(mod(score_mod), 2) or (mask_mod is not None and _reads_head_index(mod(mask_mod), 1))
+    return "flex_attention", q_k_v + block_mask + buffers, {
+        "enable_gqa": True, "block_mask_inputs": len(block_mask), "reads_head_index": heads}
+
+
+def _adds_nothing(t: Any, dim: int) -> bool:
+    """Whether a cat operand contributes no element: a legacy 1-D empty tensor (which
+    torch.cat skips whatever the dim), or one whose size along the cat dim is 0."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.dim() == 1 and t.shape[0] == 0:
+        return True
+    return t.dim() > dim and isinstance(t.shape[dim], int) and t.shape[dim] == 0
+
+
+def _perm(node: fx.Node, name: str, rank: int) -> list[int]:
+    perm = list(range(rank))
+    if name == "t":
+        return perm[::-1] if rank == 2 else perm
+    if name == "transpose":
+        a, b = _norm(_int(node.args[1]), rank), _norm(_int(node.args[2]), rank)
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if name == "permute":
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        if not dims:
+            dims = node.kwargs.get("dims", ())
+        return [_norm(_int(d), rank) for d in dims]
+    # movedim(source, destination)
+    src, dst = node.args[1], node.args[2]
+    src = [src] if not isinstance(src, (tuple, list)) else list(src)
+    dst = [dst] if not isinstance(dst, (tuple, list)) else list(dst)
+    src = [_norm(_int(s), rank) for s in src]
+    dst = [_norm(_int(d), rank) for d in dst]
+    out = [-1] * rank
+    for s, d in zip(src, dst):
+        out[d] = s
+    rest = iter(i for i in range(rank) if i not in src)
+    return [o if o >= 0 else next(rest) for o in out]
+
+
+def _conv1d_attrs(node: fx.Node) -> dict[str, Any]:
+    """conv1d(input, weight, bias, stride, padding, dilation, groups) as static ints: stride,
+    dilation, kernel and the padding on each side ('same' puts the odd element on the right);
+    empty when any of them is not a static int."""
+    def one(v: Any) -> Any:
+        if isinstance(v, (tuple, list)) and len(v) == 1:
+            v = v[0]
+        return v if isinstance(v, int) else None
+
+    w = _example(_arg(node, 1, "weight"))
+    stride, dilation = one(_arg(node, 3, "stride", 1)), one(_arg(node, 5, "dilation", 1))
+    kernel = w.shape[-1] if isinstance(w, torch.Tensor) and isinstance(w.shape[-1], int) else None
+    padding = _arg(node, 4, "padding", 0)
+    if None in (stride, dilation, kernel):
+        return {}
+    span = dilation * (kernel - 1)
+    if padding == "valid":
+        left = right = 0
+    elif padding == "same":
+        left, right = span // 2, span - span // 2
+    elif one(padding) is not None:
+        left = right = one(padding)
+    else:
+        return {}
+    return {"stride": stride, "dilation": dilation, "kernel": kernel, "pad_left": left, "pad_right": right}
+
+
+def _static_start(it: slice) -> int:
+    """Where a step-1 slice with a static, non-negative start begins; -1 otherwise."""
+    if it.step not in (None, 1):
+        return -1
+    if it.start is None:
+        return 0
+    return it.start if isinstance(it.start, int) and it.start >= 0 else -1
+
+
+def _dim_size(n: Any, d: int) -> Any:
+    ex = _example(n)
+    return ex.shape[d] if isinstance(ex, torch.Tensor) and d < ex.dim() else None
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes are the same int or the same symbolic expression (compared
+    without adding a guard)."""
+    if a is None or b is None:
+        return False
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return bool(a.node.expr == b.node.expr)
+    return False
+
+
+def expand_index(idx: Any, rank: int) -> list[Any]:
+    """The items of ``x[idx]`` for a tensor of ``rank`` dims, the Ellipsis expanded and
+    trailing dims filled with full slices."""
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    n_consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
+    expanded: list[Any] = []
+    for it in items:
+        if it is Ellipsis:
+            expanded.extend([slice(None)] * (rank - n_consuming))
+        else:
+            expanded.append(it)
+    while sum(1 for it in expanded if it is not None) < rank:
+        expanded.append(slice(None))
+    return expanded
+
+
+def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
+    x, idx = node.args[0], node.args[1]
+    rank = _rank(x)
+    inputs = [(x, ("args", 0))]
+    expanded = expand_index(idx, rank)
+    # Advanced (tensor) indices: PyTorch puts the dims of their broadcast result where the
+    # first of them stands when they are adjacent, and in front of all dims otherwise. A bool
+    # index consumes as many dims as it has and gives one (its nonzero positions).
+    def is_advanced(it: Any) -> bool:
+        return _is_tensor_node(it) or isinstance(it, (list, tuple))
+
+    adv = [j for j, it in enumerate(expanded) if is_advanced(it)]
+    adv_bool = any(_is_tensor_node(expanded[j]) and _example(expanded[j]).dtype == torch.bool for j in adv)
+    adv_rank = max((1 if not _is_tensor_node(expanded[j]) or _example(expanded[j]).dtype == torch.bool
+                    else _rank(expanded[j]) for j in adv), default=0)
+    adjacent = bool(adv) and adv == list(range(adv[0], adv[-1] + 1))
+    dim_map: list[int] = []
+    sliced: list[int] = []
+    starts: list[int] = []  # per sliced dim: where a step-1 slice starts, or -1
+    in_dim, out_dim = 0, (0 if adjacent or not adv else adv_rank)
+    adv_out = 0
+    for j, it in enumerate(expanded):
+        if it is None:
+            out_dim += 1
+            continue
+        if isinstance(it, slice):
+            full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
+            if not full and it.step in (None, 1):
+                # A slice that keeps every element of the dim (x[:, -w:] with S <= w, which
+                # Dynamo guards) takes it whole: its size is the input's.
+                full = _same_size(_dim_size(x, in_dim), _dim_size(node, out_dim))
+            if not full:
+                sliced.append(in_dim)
+                starts.append(_static_start(it))
+            dim_map.append(out_dim)
+            in_dim += 1
+            out_dim += 1
+        elif not is_advanced(it):  # an int: the dim goes away
+            dim_map.append(-1)
+            sliced.append(in_dim)
+            starts.append(-1)
+            in_dim += 1
+        else:
+            if adjacent and j == adv[0]:
+                adv_out = out_dim
+                out_dim += adv_rank
+            consumed = _rank(it) if _is_tensor_node(it) and _example(it).dtype == torch.bool else 1
+            for _ in range(consumed):
+                dim_map.append(-1)
+                sliced.append(in_dim)
+                starts.append(-1)
+                in_dim += 1
+            if _is_tensor_node(it):
+                inputs.append((it, ("args", 1, j) if isinstance(idx, tuple) else ("args", 1)))
+    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced, "slice_starts": starts}
+    if adv:
+        attrs.update(index_out=adv_out, index_bool=adv_bool)
+    return "index", inputs, attrs
