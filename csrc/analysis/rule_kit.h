@@ -47,6 +47,14 @@ inline std::string describe_input(const RuleInput& r, size_t i) {
   throw PlanError(kPass, r.node, found, expected, hint);
 }
 
+// A hint for an op refused on a sequence sliced after it was sharded (S-1 positions), or "".
+inline std::string sliced_sequence_hint(const Dim& size) {
+  if (!size.has_seq() || size.offset == 0) return "";
+  return "Its input holds " + size.str() +
+         " positions, a slice of the sharded sequence: apply the op to the whole sequence and "
+         "slice its result instead.";
+}
+
 // Index of the (first) sharded input, or -1.
 inline int first_shard(const RuleInput& r) {
   for (size_t i = 0; i < r.in.size(); ++i)

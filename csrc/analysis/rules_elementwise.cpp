@@ -118,21 +118,25 @@ RuleResult rule_along_dim(const RuleInput& r) {
     conflict(r, describe_input(r, 0) + " and no dim attribute", "the dim the op works along");
   const int d = norm_dim(r.node.int_attr("dim", -1), x.rank());
   // Scans along the sequence: each rank scans its chunk, then combines the totals of the
-  // ranks before it (sp.scan). Exact when the dim is the sequence alone (size S, no other
-  // factor merged in).
+  // ranks before it (sp.scan). Exact when the dim is the sequence alone (size S, or S + offset
+  // split unevenly after a shift; no other factor merged in).
   static const std::set<std::string> scans = {"cumsum", "cumprod", "logcumsumexp"};
   if (d == r.in[0].dim && scans.count(r.node.op) && r.in[0].inner == 1 &&
-      x.shape[static_cast<size_t>(d)] == Dim::seq(1)) {
+      x.shape[static_cast<size_t>(d)].has_seq() && x.shape[static_cast<size_t>(d)].coef == 1 &&
+      x.shape[static_cast<size_t>(d)].power == 1) {
     RuleResult res = keep_all(r, {r.in[0]});
     res.expansion = "scan";
     return res;
   }
-  if (d == r.in[0].dim)
+  if (d == r.in[0].dim) {
+    const std::string sliced = sliced_sequence_hint(x.shape[static_cast<size_t>(d)]);
     conflict(r, describe_input(r, 0) + ", and the op works along dim " + std::to_string(d),
              "an op along a dim other than the sharded sequence dim",
-             "Each rank holds only its chunk of the sequence, so '" + r.node.op +
-                 "' along it would be wrong; compute it before the sequence is sharded or "
-                 "inside attention.");
+             !sliced.empty() ? sliced
+                             : "Each rank holds only its chunk of the sequence, so '" + r.node.op +
+                                   "' along it would be wrong; compute it before the sequence is "
+                                   "sharded or inside attention.");
+  }
   return keep_all(r, std::vector<Placement>(r.node.outputs.size(), r.in[0]));
 }
 

@@ -165,7 +165,8 @@ RuleResult rule_conv1d(const RuleInput& r) {
                  " (stride " + std::to_string(stride) + ", padding " + std::to_string(left) + "/" +
                  std::to_string(right) + ", dilation*(kernel-1) " + std::to_string(span) + ")",
              "a stride-1 conv along the whole sequence (its last dim) with static zero padding "
-             "no wider than dilation*(kernel-1) on the left");
+             "no wider than dilation*(kernel-1) on the left",
+             sliced_sequence_hint(size));
   RuleResult res = keep_all(r, {p});
   res.expansion = "halo";
   res.attr_updates["halo_left"] = left;

@@ -535,6 +535,21 @@ class PlanBuilder {
   void emit_shift(const Node& n, std::vector<int> ins, const RuleResult& res) {
     const int64_t d = std::get<int64_t>(res.attr_updates.at("shift_dim"));
     const int64_t start = std::get<int64_t>(res.attr_updates.at("shift_start"));
+    // Starting after position 0, each rank's part is a copy (it takes the next rank's first
+    // positions), not a view: a later in-place write through it, or into the tensor it was
+    // sliced from, would not reach the other.
+    if (start > 0) {
+      if (const Node* w = later_write_to_aliases(n))
+        throw PlanError(
+            kPass, *w,
+            "an in-place '" + w->op + "' that writes, after it, into the sequence slice " + "at " +
+                n.loc.file + ":" + std::to_string(n.loc.line) +
+                " (which starts after position 0) or into the tensor it was sliced from",
+            "no in-place writes through a slice that starts after position 0 of the "
+            "sharded sequence",
+            "Under sequence parallelism that slice is a copy on each rank; write out of "
+            "place (y = torch.cat([...]) or x * mask) instead.");
+    }
     const int64_t offset = std::get<int64_t>(res.attr_updates.at("shift_offset"));
     const int64_t in_offset = std::get<int64_t>(res.attr_updates.at("shift_in_offset"));
     Value v = val(ins[0]);
@@ -543,6 +558,41 @@ class PlanBuilder {
                   {{"dim", d}, {"start", start}, {"offset", offset}, {"in_offset", in_offset}},
                   {{v, placement(ins[0])}}, n.loc)[0];
     copy_node(n, ins, res.out, {{"unslice_dim", d}});
+  }
+
+  // The first in-place node after `n` in program order that writes into a value aliasing n's
+  // input or output (through view-like ops, or in-place ops, which return their operand), or
+  // nullptr.
+  const Node* later_write_to_aliases(const Node& n) const {
+    static const std::set<std::string> views = {"reshape", "permute",         "expand",
+                                                "index",   "alias",           "split",
+                                                "unbind",  "view_as_complex", "view_as_real"};
+    std::set<int> alias(n.inputs.begin(), n.inputs.begin() + 1);
+    alias.insert(n.outputs.begin(), n.outputs.end());
+    for (bool grew = true; grew;) {
+      grew = false;
+      for (const Node& m : in_.nodes) {
+        if (m.inputs.empty() || m.inputs[0] < 0) continue;
+        if (!views.count(m.op) && !m.bool_attr("inplace", false)) continue;
+        const bool in = alias.count(m.inputs[0]) > 0;
+        const bool out = std::any_of(m.outputs.begin(), m.outputs.end(),
+                                     [&](int o) { return alias.count(o) > 0; });
+        if (in == out) continue;  // both or neither: nothing new
+        const size_t before = alias.size();
+        alias.insert(m.inputs[0]);
+        alias.insert(m.outputs.begin(), m.outputs.end());
+        grew = grew || alias.size() != before;
+      }
+    }
+    bool after = false;
+    for (const Node& m : in_.nodes) {
+      if (m.id == n.id)
+        after = true;
+      else if (after && m.bool_attr("inplace", false) && !m.inputs.empty() &&
+               alias.count(m.inputs[0]))
+        return &m;
+    }
+    return nullptr;
   }
 
   // A conv along the sharded sequence: sp.halo extends each rank's chunk by the positions its

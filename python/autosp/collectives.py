@@ -159,11 +159,13 @@ def halo(x: torch.Tensor, dim: int, left: int, right: int, last_pad: int, group:
     rank 0's zeros), so no rank's compiler drops a collective the others wait in. The backward
     returns each exchanged position's gradient to the rank it came from."""
     c = x.size(dim)
-    if max(left, right) > c:
+    # Checked alike on every rank (the last one's output is the shortest: c + last_pad - right).
+    if max(left, right) > c or c + last_pad - right < 1:
         raise AutospError(
             f"[autosp:apply] a convolution along the sequence reading {left} positions back and "
-            f"{right} ahead: found {c} positions per rank; expected at least {max(left, right)}. "
-            "Use a longer sequence or a smaller SP degree.")
+            f"{right} ahead, with {last_pad} of padding at the end: found {c} positions per rank; "
+            f"expected at least {max(left, right, right - last_pad + 1)}, so that every rank has an "
+            "output. Use a longer sequence or a smaller SP degree.")
     parts = []
     if left > 0:
         tails = _GatherStack.apply(x.narrow(dim, c - left, left), group, rank, True)
