@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <map>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -552,6 +553,77 @@ TEST(UlyssesCrossRank, ScanAndCombine) {
             "() = output(%5)  # model.py:5\n");
   EXPECT_EQ(plan.collective_counts(),
             (std::map<std::string, int>{{"sp.combine", 1}, {"sp.scan", 1}}));
+}
+
+// Shifting inside the model (older Hugging Face): logits[:, :-1] against labels[:, 1:]. The
+// logits' slice is an sp.shift (S-1 positions, split unevenly), the labels' slice stays
+// replicated and is cut for each rank with offset -1, and the mean divides by the valid
+// targets of the whole group.
+Graph shift_inside_loss(int64_t logits_start) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int labels = b.input("labels", {C(2), S()}, "i64", "data");
+  const Dim s1 = Dim::seq(1, 1, -1);
+  auto slice = [&](int v, std::vector<Dim> shape, int64_t start) {
+    std::vector<int64_t> dims(shape.size());
+    std::iota(dims.begin(), dims.end(), 0);
+    return b.op("index", {v}, std::move(shape),
+                {{"dim_map", dims},
+                 {"sliced_dims", std::vector<int64_t>{1}},
+                 {"slice_starts", std::vector<int64_t>{start}}});
+  };
+  b.at(2, "shift_logits = logits[..., :-1, :]").target("getitem");
+  const int lg = slice(x, {C(2), s1, C(8)}, logits_start);
+  b.at(3, "shift_labels = labels[..., 1:]").target("getitem");
+  const int tg = slice(labels, {C(2), s1}, 1);
+  const int flat = b.at(4).op("reshape", {lg}, {Dim::seq(2, 1, -1), C(8)});
+  const int flat_t = b.at(4).op("reshape", {tg}, {Dim::seq(2, 1, -1)});
+  const int loss =
+      b.at(4).op("cross_entropy", {flat, flat_t}, {},
+                 {{"reduction", std::string("mean")}, {"ignore_index", int64_t{-100}}});
+  b.at(5).output({loss});
+  return b.graph;
+}
+
+TEST(UlyssesShift, ShiftInsideLoss) {
+  const Graph g = shift_inside_loss(0);
+  const SpConfig cfg{.sp_size = 2};
+  const SpPlan plan = plan_ulysses(g, cfg);
+  EXPECT_GOLDEN("ulysses_shift_inside_loss_p2", golden_text(g, cfg, plan));
+  const auto shifts = nodes_with_op(plan, "sp.shift");
+  ASSERT_EQ(shifts.size(), 1u);
+  EXPECT_EQ(shifts[0]->attrs, (Attrs{{"dim", int64_t{1}},
+                                     {"start", int64_t{0}},
+                                     {"offset", int64_t{-1}},
+                                     {"in_offset", int64_t{0}}}));
+  bool labels_cut_unevenly = false;
+  for (const Node* n : nodes_with_op(plan, "sp.slice"))
+    labels_cut_unevenly = labels_cut_unevenly || n->int_attr("offset", 0) == -1;
+  EXPECT_TRUE(labels_cut_unevenly);
+  EXPECT_EQ(nodes_with_op(plan, "sp.count_valid").size(), 1u);
+}
+
+// A slice starting past position 0 is a copy on each rank: an in-place write after it into
+// anything aliasing it would be lost, so it is refused, naming the write.
+TEST(UlyssesShift, InPlaceWriteAfterACopySliceIsRefused) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int y = b.at(2, "y = x[:, 1:]")
+                    .op("index", {x}, {C(2), Dim::seq(1, 1, -1), C(8)},
+                        {{"dim_map", std::vector<int64_t>{0, 1, 2}},
+                         {"sliced_dims", std::vector<int64_t>{1}},
+                         {"slice_starts", std::vector<int64_t>{1}}});
+  const int w = b.at(3, "x.mul_(2.0)").op("mul", {x}, {C(2), S(), C(8)}, {{"inplace", true}});
+  const int s1 = b.at(4).op("sum", {y}, {});
+  const int s2 = b.at(4).op("sum", {w}, {});
+  const int loss = b.at(4).op("add", {s1, s2}, {});
+  b.at(5).output({loss});
+  const std::string msg = plan_error([&] { plan_ulysses(b.graph, {.sp_size = 2}); });
+  EXPECT_TRUE(contains(msg,
+                       "op 'mul' at model.py:3  x.mul_(2.0): found an in-place "
+                       "'mul' that writes, after it, into the sequence slice at "
+                       "model.py:2"))
+      << msg;
 }
 
 // A parameter first used inside torch.no_grad() (HRM's early cycles): its gradient sync goes
