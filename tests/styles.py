@@ -13,7 +13,7 @@ heads of dim 8, vocabulary 64, one or two layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -845,6 +845,23 @@ ALL: dict[str, Style] = {s.name: s for s in LISTED + EXTRA}
 # Running one model SP vs one device, inside a rank of run_ranks.
 
 EXACT, AUTOSP_ERROR, MISMATCH, CRASH = "exact", "autosp_error", "mismatch", "crash"
+
+
+def raise_worst_outcome(per_rank: Sequence[dict[str, dict]], name: str, where: str) -> None:
+    """Re-raises what the worst rank saw for case ``name`` (``per_rank``: one {name: result}
+    per rank): AutospError, RuntimeError (crash), AssertionError (mismatch); returns when every
+    rank was exact. ``where`` names the run (e.g. "world 2")."""
+    import autosp
+
+    order = {EXACT: 0, AUTOSP_ERROR: 1, CRASH: 2, MISMATCH: 3}
+    rank, r = max(enumerate(res[name] for res in per_rank), key=lambda ir: order[ir[1]["outcome"]])
+    where = f"{name} at {where}, rank {rank}"
+    if r["outcome"] == AUTOSP_ERROR:
+        raise autosp.AutospError(f"{where}: {r['detail']}")
+    if r["outcome"] == CRASH:
+        raise RuntimeError(f"{where}: crashed (not an AutospError): {r['detail']}")
+    if r["outcome"] == MISMATCH:
+        raise AssertionError(f"{where}: SILENT MISMATCH: {r['detail']}")
 
 
 def allow_flex_backward_on_cpu() -> None:

@@ -572,18 +572,7 @@ def results(group: str) -> tuple[dict[str, dict], ...]:
 
 
 def _raise_outcome(group: str, name: str) -> None:
-    import autosp
-
-    order = {styles.EXACT: 0, styles.AUTOSP_ERROR: 1, styles.CRASH: 2, styles.MISMATCH: 3}
-    rank, r = max(enumerate(res[name] for res in results(group)),
-                  key=lambda ir: order[ir[1]["outcome"]])
-    where = f"{name} at world 2, rank {rank}"
-    if r["outcome"] == styles.AUTOSP_ERROR:
-        raise autosp.AutospError(f"{where}: {r['detail']}")
-    if r["outcome"] == styles.CRASH:
-        raise RuntimeError(f"{where}: crashed (not an AutospError): {r['detail']}")
-    if r["outcome"] == styles.MISMATCH:
-        raise AssertionError(f"{where}: SILENT MISMATCH: {r['detail']}")
+    styles.raise_worst_outcome(results(group), name, f"world 2 ({group} run)")
 
 
 def _exact_params(names: list[str]) -> list:

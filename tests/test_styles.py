@@ -71,20 +71,7 @@ def _styles_worker(rank: int, world_size: int, names: list[str], seq_len: int) -
 
 
 def _raise_outcome(world_size: int, name: str) -> None:
-    """Re-raises what the worst rank saw: AutospError, RuntimeError (crash), AssertionError
-    (mismatch); returns when every rank was exact."""
-    import autosp
-
-    order = {styles.EXACT: 0, styles.AUTOSP_ERROR: 1, styles.CRASH: 2, styles.MISMATCH: 3}
-    rank, r = max(enumerate(res[name] for res in results(world_size)),
-                  key=lambda ir: order[ir[1]["outcome"]])
-    where = f"{name} at world {world_size}, rank {rank}"
-    if r["outcome"] == styles.AUTOSP_ERROR:
-        raise autosp.AutospError(f"{where}: {r['detail']}")
-    if r["outcome"] == styles.CRASH:
-        raise RuntimeError(f"{where}: crashed (not an AutospError): {r['detail']}")
-    if r["outcome"] == styles.MISMATCH:
-        raise AssertionError(f"{where}: SILENT MISMATCH: {r['detail']}")
+    styles.raise_worst_outcome(results(world_size), name, f"world {world_size}")
 
 
 def _params(names: list[str]) -> list:
