@@ -1,0 +1,168 @@
+// The Ulysses plan builder (internal to plan/): walks the input graph in order, applies each
+// op's placement rule and emits the plan (see ulysses.h). Its general machinery is defined in
+// ulysses.cpp; the op-specific emitters (attention, cross-entropy, scans, shifts, halos) in
+// ulysses_ops.cpp.
+#pragma once
+
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "analysis/rules.h"
+#include "plan/ulysses.h"
+
+namespace autosp::plan_detail {
+
+inline constexpr const char* kPass = "ulysses";
+
+inline bool is_float(const std::string& dtype) {
+  return dtype == "f32" || dtype == "f16" || dtype == "bf16" || dtype == "f64";
+}
+
+class PlanBuilder {
+ public:
+  PlanBuilder(const Graph& in, const SpConfig& cfg)
+      : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {
+    // Hoisting re-runs replicated work later in program order; with in-place ops in the
+    // graph that work could read a tensor mutated in between, so it is not done.
+    for (const Node& n : in.nodes) hoist_ = hoist_ && !n.bool_attr("inplace", false);
+  }
+
+  SpPlan run();
+
+  // "layers.3.mlp.up.weight" -> "layers.3"; "" when no component is a number.
+  static std::string bucket_of(const std::string& path);
+
+  // Merges the grad syncs of graph inputs (parameters) into one node per layer (see
+  // SpConfig::bucket_grad_sync), each where the first of its syncs was.
+  void bucket_grad_syncs();
+
+  // Drops nodes whose results nothing uses (full-length originals whose slices were
+  // hoisted); inputs, the output and side-effecting nodes stay.
+  void eliminate_dead_nodes();
+
+ private:
+  const Graph& in_;
+  SpConfig cfg_;
+  Graph out_;
+  std::vector<Placement> place_;
+  std::vector<int> vmap_;  // input value id -> output value id
+  std::map<std::tuple<int, int, int64_t>, int> slice_cache_;
+  std::map<int, int> grad_sync_cache_;
+  std::map<int, int> reduce_cache_;
+  bool hoist_ = true;
+  bool grad_enabled_ = true;
+
+  int mapped(int old_id) const { return old_id < 0 ? -1 : vmap_.at(static_cast<size_t>(old_id)); }
+  const Value& val(int id) const { return out_.value(id); }
+  Placement placement(int id) const {
+    return id < 0 ? Placement::replicate() : place_.at(static_cast<size_t>(id));
+  }
+
+  int new_value(Value v, Placement p) {
+    int id = out_.add_value(std::move(v));
+    place_.push_back(p);
+    return id;
+  }
+
+  // Emits an inserted SP node with one output per entry of `outs`.
+  std::vector<int> emit(const std::string& op, std::vector<int> inputs, Attrs attrs,
+                        std::vector<std::pair<Value, Placement>> outs, const SourceLoc& loc);
+
+  // Copies an input node, mapping its inputs; its outputs get the given placements.
+  int copy_node(const Node& n, std::vector<int> inputs, const std::vector<Placement>& outs,
+                const Attrs& updates);
+
+  // torch.no_grad() regions: values made there carry no gradient, so a value cached in one
+  // grad mode is not reused in the other (a parameter's gradient sync emitted in a no_grad
+  // region and reused after it would cut the parameter's gradient), and no sync is needed
+  // inside them.
+  void set_grad_mode(bool enabled);
+
+  int grad_sync(int v, const SourceLoc& loc);
+
+  int slice(int v, int dim, int64_t inner, const SourceLoc& loc);
+
+  // Slices a replicated, non-differentiable value by slicing the operands of its producer
+  // instead, when the producer is local along the sequence (elementwise, casts, reshapes,
+  // permutes, basic indexing, cat along another dim). Replicated work that only feeds
+  // sharded values (RoPE tables from full-length positions, say) then runs on the local
+  // chunk, and no per-rank tensor stays O(S) wide. Returns -1 when it does not apply.
+  int hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc);
+
+  int reduce_partial(int v, const SourceLoc& loc);
+
+  void emit_input(const Node& n);
+
+  void emit_output(const Node& n);
+
+  // Applies a rule's operand changes and the gradient rule for replicated operands:
+  // a replicated value that requires grad and feeds a sharded or partial result gets
+  // only a partial gradient on each rank, so it passes through sp.grad_sync.
+  std::vector<int> apply_operands(const Node& n, std::vector<int> ins,
+                                  const std::vector<OperandChange>& changes,
+                                  const std::vector<Placement>& outs);
+
+  std::vector<int> mapped_inputs(const Node& n) const {
+    std::vector<int> ins;
+    for (int old : n.inputs) ins.push_back(mapped(old));
+    return ins;
+  }
+
+  std::vector<Placement> placements_of(const std::vector<int>& ins) const {
+    std::vector<Placement> ps;
+    for (int v : ins) ps.push_back(placement(v));
+    return ps;
+  }
+
+  // Partial operands: kept when the op is linear in them, otherwise reduced first.
+  bool partial_passes(const OpRule& rule, const Node& n, const std::vector<int>& ins) const;
+
+  void emit_generic(const Node& n);
+
+  // Rules see the node with mapped inputs and the *input graph's* output values (same
+  // shapes), so shapes of both sides are available.
+  RuleResult call_rule(const OpRule& rule, const Node& n, const std::vector<int>& ins) {
+    Graph& g = scratch_graph(n, ins);
+    RuleInput r{g, g.nodes.back(), placements_of(ins), cfg_.sp_size};
+    return rule.fn(r);
+  }
+
+  Graph scratch_;
+  Graph& scratch_graph(const Node& n, const std::vector<int>& ins);
+
+  // A scan along the sequence (sp.scan: the local scan, combined with the totals of the ranks
+  // before this one) or a reduction over it (sp.combine: the local reduction, combined over
+  // all ranks by the same reduction).
+  void emit_cross_rank(const Node& n, std::vector<int> ins, const std::string& kind);
+
+  // A slice that drops positions at the ends of the sharded sequence: sp.shift takes this
+  // rank's part of the sliced sequence (see collectives.shift), and the node itself then
+  // indexes the other dims only (attribute unslice_dim: the bridge takes that dim whole).
+  void emit_shift(const Node& n, std::vector<int> ins, const RuleResult& res);
+
+  // The first in-place node after `n` in program order that writes into a value aliasing n's
+  // input or output (through view-like ops, or in-place ops, which return their operand), or
+  // nullptr.
+  const Node* later_write_to_aliases(const Node& n) const;
+
+  // A conv along the sharded sequence: sp.halo extends each rank's chunk by the positions its
+  // outputs read from its neighbours (see collectives.halo), and the conv itself runs without
+  // padding (attribute zero_padding).
+  void emit_halo(const Node& n, std::vector<int> ins, const RuleResult& res);
+
+  // mean over the sharded dim -> local sum / global count (a partial value).
+  void emit_mean_partial(const Node& n, std::vector<int> ins);
+
+  void emit_cross_entropy(const Node& n);
+
+  void emit_sdpa(const Node& n);
+
+  int grad_sync_if_replicated(int v, const SourceLoc& loc) {
+    return placement(v).is_replicate() ? grad_sync(v, loc) : v;
+  }
+};
+
+}  // namespace autosp::plan_detail

@@ -1,0 +1,325 @@
+// The Ulysses plan builder's op-specific emitters: attention (the all-to-all exchange),
+// cross-entropy, scans and reductions across ranks, shifts and convolution halos.
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <stdexcept>
+
+#include "plan/plan_builder.h"
+
+namespace autosp::plan_detail {
+
+void PlanBuilder::emit_cross_rank(const Node& n, std::vector<int> ins, const std::string& kind) {
+  const bool scan = kind == "scan";
+  // The local reduction is one per-rank term of the combined result, which sp.combine
+  // reduces with the op itself (not a sum); the plan prints it as P.
+  const Placement local = scan ? placement(ins[0]) : Placement::partial();
+  // A chunk whose elements are all -inf has a local logsumexp of -inf, whose backward is NaN
+  // (one device never forms it): the local step is a guarded logsumexp.
+  Attrs local_attrs;
+  if (!scan && n.op == "logsumexp") local_attrs["guarded_logsumexp"] = true;
+  const int idx = copy_node(n, ins, {local}, local_attrs);
+  const int y = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+  Attrs attrs{{"op", n.op}};
+  if (scan) attrs["dim"] = int64_t{local.dim};
+  const int out = emit(scan ? "sp.scan" : "sp.combine", {y}, attrs,
+                       {{val(y), scan ? local : Placement::replicate()}}, n.loc)[0];
+  vmap_[static_cast<size_t>(n.outputs[0])] = out;
+}
+
+void PlanBuilder::emit_shift(const Node& n, std::vector<int> ins, const RuleResult& res) {
+  const int64_t d = std::get<int64_t>(res.attr_updates.at("shift_dim"));
+  const int64_t start = std::get<int64_t>(res.attr_updates.at("shift_start"));
+  // Starting after position 0, each rank's part is a copy (it takes the next rank's first
+  // positions), not a view: a later in-place write through it, or into the tensor it was
+  // sliced from, would not reach the other.
+  if (start > 0) {
+    if (const Node* w = later_write_to_aliases(n))
+      throw PlanError(kPass, *w,
+                      "an in-place '" + w->op +
+                          "' that writes, after it, into the sequence slice " + "at " + n.loc.file +
+                          ":" + std::to_string(n.loc.line) +
+                          " (which starts after position 0) or into the tensor it was sliced from",
+                      "no in-place writes through a slice that starts after position 0 of the "
+                      "sharded sequence",
+                      "Under sequence parallelism that slice is a copy on each rank; write out of "
+                      "place (y = torch.cat([...]) or x * mask) instead.");
+  }
+  const int64_t offset = std::get<int64_t>(res.attr_updates.at("shift_offset"));
+  const int64_t in_offset = std::get<int64_t>(res.attr_updates.at("shift_in_offset"));
+  Value v = val(ins[0]);
+  v.shape.at(static_cast<size_t>(d)) = Dim::seq(1, 1, offset);
+  ins[0] = emit("sp.shift", {ins[0]},
+                {{"dim", d}, {"start", start}, {"offset", offset}, {"in_offset", in_offset}},
+                {{v, placement(ins[0])}}, n.loc)[0];
+  copy_node(n, ins, res.out, {{"unslice_dim", d}});
+}
+
+const Node* PlanBuilder::later_write_to_aliases(const Node& n) const {
+  static const std::set<std::string> views = {"reshape", "permute",         "expand",
+                                              "index",   "alias",           "split",
+                                              "unbind",  "view_as_complex", "view_as_real"};
+  std::set<int> alias(n.inputs.begin(), n.inputs.begin() + 1);
+  alias.insert(n.outputs.begin(), n.outputs.end());
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (const Node& m : in_.nodes) {
+      if (m.inputs.empty() || m.inputs[0] < 0) continue;
+      if (!views.count(m.op) && !m.bool_attr("inplace", false)) continue;
+      const bool in = alias.count(m.inputs[0]) > 0;
+      const bool out = std::any_of(m.outputs.begin(), m.outputs.end(),
+                                   [&](int o) { return alias.count(o) > 0; });
+      if (in == out) continue;  // both or neither: nothing new
+      const size_t before = alias.size();
+      alias.insert(m.inputs[0]);
+      alias.insert(m.outputs.begin(), m.outputs.end());
+      grew = grew || alias.size() != before;
+    }
+  }
+  bool after = false;
+  for (const Node& m : in_.nodes) {
+    if (m.id == n.id)
+      after = true;
+    else if (after && m.bool_attr("inplace", false) && !m.inputs.empty() &&
+             alias.count(m.inputs[0]))
+      return &m;
+  }
+  return nullptr;
+}
+
+void PlanBuilder::emit_halo(const Node& n, std::vector<int> ins, const RuleResult& res) {
+  const Placement p = placement(ins[0]);
+  Value v = val(ins[0]);
+  v.shape.at(static_cast<size_t>(p.dim)) = Dim::expr("S/P + halo");
+  Attrs attrs{{"dim", int64_t{p.dim}}};
+  for (const char* k : {"halo_left", "halo_right", "halo_last_pad"})
+    attrs[std::string(k).substr(5)] = res.attr_updates.at(k);
+  ins[0] = emit("sp.halo", {ins[0]}, attrs, {{v, p}}, n.loc)[0];
+  copy_node(n, ins, res.out, {{"zero_padding", true}});
+}
+
+void PlanBuilder::emit_mean_partial(const Node& n, std::vector<int> ins) {
+  const Value& x = val(ins[0]);
+  std::vector<int> dims;
+  for (int64_t d : n.ints_attr("dims")) dims.push_back(static_cast<int>(d < 0 ? d + x.rank() : d));
+  if (dims.empty())
+    for (int d = 0; d < x.rank(); ++d) dims.push_back(d);
+  Dim count = Dim::constant(1);
+  for (int d : dims) count = count * x.shape[static_cast<size_t>(d)];
+  if (count.is_opaque())
+    throw PlanError(kPass, n, "a mean over dims of size " + count.str(),
+                    "sizes that are multiples of S");
+  Node s = n;
+  s.op = "sum";
+  const int idx =
+      copy_node(s, ins, {Placement::partial()}, {{"rewrite_target", std::string("sum")}});
+  const int sum_out = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+  Attrs divisor{{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}};
+  if (count.offset != 0) divisor["divisor_offset"] = count.offset;  // coef * (S + offset)^power
+  const int q = emit("div", {sum_out}, divisor, {{val(sum_out), Placement::partial()}}, n.loc)[0];
+  vmap_[static_cast<size_t>(n.outputs[0])] = q;
+}
+
+void PlanBuilder::emit_cross_entropy(const Node& n) {
+  std::vector<int> ins = mapped_inputs(n);
+  for (int& v : ins)
+    if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+  const Placement px = placement(ins[0]);
+  const Placement pt = placement(ins[1]);
+  if (px.is_replicate() && pt.is_replicate()) {
+    copy_node(n, ins, {Placement::replicate()}, {});
+    return;
+  }
+  if (ins.size() > 2 && ins[2] >= 0)
+    throw PlanError(kPass, n, "a class-weight tensor", "cross-entropy without class weights",
+                    "Weighted cross-entropy is not supported under sequence parallelism yet.");
+  const Value& x = val(ins[0]);
+  if (!px.is_shard() || px.dim == 1 || (x.rank() > 1 && px.dim == 0 && x.rank() != 2) ||
+      (x.rank() == 2 && px.dim != 0))
+    throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
+                    "logits sharded along the token dim ([N, C] sharded on N)");
+  const int tdim = px.dim == 0 ? 0 : px.dim - 1;
+  if (pt.is_shard() && !(pt == Placement::shard(tdim, px.inner)))
+    throw PlanError(kPass, n, "targets placed " + pt.str() + " and logits placed " + px.str(),
+                    "targets sharded like the logits' token dim");
+  std::vector<int> args = ins;
+  if (pt.is_replicate()) args[1] = slice(ins[1], tdim, px.inner, n.loc);
+  const std::string reduction = n.str_attr("reduction", "mean");
+  if (reduction == "none") {
+    copy_node(n, args, {Placement::shard(tdim, px.inner)}, {});
+    return;
+  }
+  if (reduction == "sum") {
+    copy_node(n, args, {Placement::partial()}, {});
+    return;
+  }
+  // mean: local sum over this rank's tokens / the number of valid tokens in the group.
+  const int idx = copy_node(n, args, {Placement::partial()}, {{"reduction", std::string("sum")}});
+  const int ce = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+  Value count_v;
+  count_v.kind = ValueKind::Tensor;
+  count_v.dtype = "i64";
+  const int count =
+      emit("sp.count_valid", {args[1]}, {{"ignore_index", n.int_attr("ignore_index", -100)}},
+           {{count_v, Placement::replicate()}}, n.loc)[0];
+  const int q = emit("div", {ce, count}, {}, {{val(ce), Placement::partial()}}, n.loc)[0];
+  vmap_[static_cast<size_t>(n.outputs[0])] = q;
+}
+
+void PlanBuilder::emit_sdpa(const Node& n) {
+  std::vector<int> ins = mapped_inputs(n);
+  for (int& v : ins)
+    if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+  const int P = static_cast<int>(cfg_.sp_size);
+  bool any_shard = false;
+  for (int v : ins) any_shard = any_shard || placement(v).is_shard();
+  if (!any_shard) {
+    copy_node(n, ins, {Placement::replicate()}, {});
+    return;
+  }
+  if (n.op == "sdpa" && n.has_attr("dropout_p"))
+    throw PlanError(kPass, n, "attention dropout (dropout_p > 0)", "dropout_p=0 under Ulysses",
+                    "Each rank runs H/P heads and would draw its attention-dropout mask from the "
+                    "same random state as every other rank; apply dropout outside attention.");
+  // A copy: emit() below appends to the value table, which would leave a reference dangling.
+  const Value q = val(ins[0]);
+  if (q.rank() != 4)
+    throw PlanError(kPass, n,
+                    "query of rank " + std::to_string(q.rank()) + " " + shape_str(q.shape),
+                    "[batch, heads, seq, head_dim] query, key and value");
+  for (int i = 0; i < 3; ++i) {
+    Placement p = placement(ins[i]);
+    const Dim& len = val(ins[i]).shape.at(2);
+    if (p.is_shard() && len.offset != 0)
+      throw PlanError(kPass, n,
+                      "attention over " + len.str() + " positions, sharded unevenly " +
+                          "(a slice dropped positions of the sequence)",
+                      "attention over the whole sequence",
+                      "Slice the sequence after attention (the logits or the loss inputs), not "
+                      "before it.");
+    if (!(p.is_replicate() || p == Placement::shard(2)))
+      throw PlanError(kPass, n,
+                      std::string(i == 0   ? "query"
+                                  : i == 1 ? "key"
+                                           : "value") +
+                          " " + shape_str(val(ins[i]).shape) + " placed " + p.str(),
+                      "the sequence in dim 2 (S(2)) or a replicated tensor");
+  }
+  if (!placement(ins[0]).is_shard())
+    throw PlanError(kPass, n, "a replicated query with sharded key/value",
+                    "a query sharded along the sequence");
+  const Dim& hq = q.shape[1];
+  if (!hq.is_static() || hq.coef % P != 0)
+    throw PlanError(
+        kPass, n, std::to_string(hq.coef) + " query heads for an SP degree of " + std::to_string(P),
+        "a number of query heads divisible by the SP degree (" + std::to_string(hq.coef) + " % " +
+            std::to_string(P) + " = " + std::to_string(hq.coef % P) + ")",
+        "Ulysses splits attention heads across the SP group; choose an SP degree that "
+        "divides the number of heads.");
+  const int64_t Hq = hq.coef;
+  std::vector<int> args = ins;
+  std::vector<int> exchange;  // positions in args that go through the all-to-all
+  for (int i = 0; i < 3; ++i) {
+    int v = args[i];
+    const Dim& h = val(v).shape[1];
+    if (!h.is_static())
+      throw PlanError(kPass, n, "a heads dim of size " + h.str(), "a static number of heads");
+    int64_t H = h.coef;
+    if (i > 0 && H != Hq) {
+      // One key/value head broadcasts against every query head (multi-query attention,
+      // as SDPA broadcasts it without enable_gqa): handled as GQA.
+      if ((!n.bool_attr("enable_gqa", false) && H != 1) || Hq % H != 0)
+        throw PlanError(
+            kPass, n,
+            std::to_string(H) + " key/value heads for " + std::to_string(Hq) + " query heads",
+            "equal heads, or enable_gqa=True with query heads a multiple of key/value heads");
+      if (H % P != 0) {
+        // Fewer KV heads than ranks: repeat each KV head so that every rank receives the
+        // KV head its query heads attend to.
+        const int64_t f = P / std::gcd(H, static_cast<int64_t>(P));
+        if (Hq % (H * f) != 0)
+          throw PlanError(
+              kPass, n,
+              std::to_string(H) + " key/value heads, " + std::to_string(Hq) +
+                  " query heads, SP degree " + std::to_string(P),
+              "key/value heads that can be repeated to a multiple of the SP degree dividing the "
+              "query heads");
+        Value rv = val(v);
+        rv.shape[1] = Dim::constant(H * f);
+        v = emit("sp.repeat_heads", {v}, {{"dim", int64_t{1}}, {"repeats", f}},
+                 {{rv, placement(v)}}, n.loc)[0];
+      }
+    }
+    if (placement(v).is_shard())
+      exchange.push_back(i);
+    else
+      v = slice(v, 1, 1, n.loc);  // replicated full-length k/v: keep the local heads
+    args[i] = v;
+  }
+  // Masks (sdpa's attn_mask; flex_attention's block mask tensors, then its mods' buffers)
+  // apply to the whole sequence, which every rank sees after the exchange: they stay
+  // replicated, and a per-head mask keeps this rank's heads.
+  const bool flex = n.op == "flex_attention";
+  if (flex && n.bool_attr("reads_head_index", false))
+    throw PlanError(kPass, n, "a score_mod or mask_mod that reads the head index h",
+                    "mods that do not depend on h",
+                    "Ulysses gives each rank H/P heads, and flex_attention passes the rank's "
+                    "local head index to the mods; pass per-head values through q/k/v instead.");
+  const size_t per_head_end =
+      flex ? 3 + static_cast<size_t>(n.int_attr("block_mask_inputs", 0)) : args.size();
+  for (size_t i = 3; i < args.size(); ++i) {
+    if (args[i] < 0) continue;
+    const Placement pm = placement(args[i]);
+    if (!pm.is_replicate())
+      throw PlanError(kPass, n, "an attention mask placed " + pm.str(),
+                      "a replicated (full-length) mask",
+                      "Build the mask from full-length positions (as single-device code does).");
+    const Value& m = val(args[i]);
+    // The heads dim: dim 1 of flex's block mask tensors ([B, H, blocks...]); for an SDPA mask,
+    // which broadcasts against [B, H, S, S] from the right, the third dim from the end.
+    const int hd = flex ? 1 : m.rank() - 3;
+    if (i < per_head_end && hd >= 0 && hd < m.rank() &&
+        m.shape[static_cast<size_t>(hd)].is_static() &&
+        m.shape[static_cast<size_t>(hd)].coef == Hq && Hq > 1)
+      args[i] = slice(args[i], hd, 1, n.loc);
+  }
+  const Dim seq = q.shape[2];
+  auto exchange_group = [&](std::vector<int> positions) {
+    std::vector<int> xs;
+    std::vector<std::pair<Value, Placement>> outs;
+    for (int i : positions) {
+      xs.push_back(args[i]);
+      outs.push_back({val(args[i]), Placement::shard(1)});
+    }
+    auto ys = emit("sp.all_to_all", xs,
+                   {{"scatter_dim", int64_t{1}},
+                    {"gather_dim", int64_t{2}},
+                    {"gather_coef", seq.coef},
+                    {"gather_power", int64_t{seq.power}}},
+                   outs, n.loc);
+    for (size_t j = 0; j < positions.size(); ++j) args[positions[j]] = ys[j];
+  };
+  if (cfg_.fuse_qkv) {
+    exchange_group(exchange);
+  } else {
+    for (int i : exchange) exchange_group({i});
+  }
+  for (size_t i = 0; i < 3; ++i) args[i] = grad_sync_if_replicated(args[i], n.loc);
+  // Every output ([B, H, S, D] attention, [B, H, S] logsumexp) goes back to the sequence
+  // layout; exchanges of outputs nobody reads are dropped as dead code.
+  const int idx =
+      copy_node(n, args, std::vector<Placement>(n.outputs.size(), Placement::shard(1)), {});
+  const std::vector<int> outs = out_.nodes[static_cast<size_t>(idx)].outputs;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    if (val(outs[j]).rank() < 3) continue;
+    const int back = emit("sp.all_to_all", {outs[j]},
+                          {{"scatter_dim", int64_t{2}},
+                           {"gather_dim", int64_t{1}},
+                           {"gather_coef", Hq},
+                           {"gather_power", int64_t{0}}},
+                          {{val(outs[j]), Placement::shard(2)}}, n.loc)[0];
+    vmap_[static_cast<size_t>(n.outputs[j])] = back;
+  }
+}
+
+}  // namespace autosp::plan_detail
