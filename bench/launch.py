@@ -16,18 +16,11 @@ import torch.distributed as dist
 
 
 def relaunch(script: str, argv: list[str], nproc: int) -> int:
-    """Runs ``script`` with ``argv`` in ``nproc`` ranks (torchrun, Gloo over loopback). The
-    ``--nproc`` option is the launcher's alone (torchrun would reject it as an ambiguous
-    prefix)."""
-    rank_args: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            rank_args.append(arg)
+    """Runs ``script`` with ``argv`` in ``nproc`` ranks (torchrun, Gloo over loopback),
+    without the launcher's ``--nproc`` (``autosp.cli.rank_arguments``)."""
+    from autosp.cli import rank_arguments
+
+    rank_args = rank_arguments(argv)
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -440,7 +440,9 @@ std::map<std::string, int> SpPlan::collective_counts() const {
       "sp.scan",       "sp.shift",          "sp.halo",      "sp.combine"};
   std::map<std::string, int> counts;
   for (const Node& n : graph.nodes)
-    if (collectives.count(n.op)) counts[n.op] += 1;
+    // A shift starting at position 0 exchanges nothing: each rank only trims its part.
+    if (collectives.count(n.op) && !(n.op == "sp.shift" && n.int_attr("start", 0) == 0))
+      counts[n.op] += 1;
   return counts;
 }
 

@@ -151,13 +151,10 @@ def _use_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def torchrun_command(nproc: int, args_list: Sequence[str]) -> list[str]:
-    """The command that re-launches ``autosp <args_list>`` on ``nproc`` local ranks.
-
-    ``--nproc`` is launcher-only and is dropped from the ranks' arguments: torchrun's
-    own parser would otherwise reject it as an ambiguous prefix of
-    ``--nproc-per-node``.
-    """
+def rank_arguments(args_list: Sequence[str]) -> list[str]:
+    """``args_list`` without ``--nproc N`` / ``--nproc=N``: that option is the launcher's
+    alone, and torchrun's own parser would reject it as an ambiguous prefix of
+    ``--nproc-per-node``."""
     rank_args: list[str] = []
     skip_next = False
     for arg in args_list:
@@ -167,6 +164,13 @@ def torchrun_command(nproc: int, args_list: Sequence[str]) -> list[str]:
             skip_next = True
         elif not arg.startswith("--nproc="):
             rank_args.append(arg)
+    return rank_args
+
+
+def torchrun_command(nproc: int, args_list: Sequence[str]) -> list[str]:
+    """The command that re-launches ``autosp <args_list>`` on ``nproc`` local ranks (without
+    the launcher's ``--nproc``, see ``rank_arguments``)."""
+    rank_args = rank_arguments(args_list)
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc-per-node={nproc}",

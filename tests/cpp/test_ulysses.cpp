@@ -601,6 +601,9 @@ TEST(UlyssesShift, ShiftInsideLoss) {
     labels_cut_unevenly = labels_cut_unevenly || n->int_attr("offset", 0) == -1;
   EXPECT_TRUE(labels_cut_unevenly);
   EXPECT_EQ(nodes_with_op(plan, "sp.count_valid").size(), 1u);
+  // Dropping the last position exchanges nothing between ranks.
+  EXPECT_EQ(plan.collective_counts().count("sp.shift"), 0u);
+  EXPECT_EQ(plan_ulysses(shift_inside_loss(1), cfg).collective_counts().at("sp.shift"), 1);
 }
 
 // A slice starting past position 0 is a copy on each rank: an in-place write after it into
