@@ -8,6 +8,11 @@ std::string Placement::str() const {
       return "R";
     case PlacementKind::Partial:
       return "P";
+    case PlacementKind::Local:
+      if (!positions) return "L(" + std::to_string(dim) + ")";
+      return "L(" + std::to_string(dim) + ", positions of " +
+             (coef == 1 ? std::string("S") : std::to_string(coef) + "*S") +
+             ", inner=" + std::to_string(inner) + ")";
     case PlacementKind::Shard:
       break;
   }

@@ -67,6 +67,9 @@ inline int norm_dim(int64_t d, int rank) {
   return static_cast<int>(d);
 }
 
+// The dims a reduction node reduces (attrs dims, keepdim), normalised; all when none given.
+std::vector<int> reduced_dims(const RuleInput& r, int rank);
+
 RuleResult rule_elementwise(const RuleInput& r);
 RuleResult rule_random(const RuleInput& r);
 RuleResult rule_reduction(const RuleInput& r);
@@ -94,5 +97,7 @@ RuleResult rule_sym_size(const RuleInput& r);
 RuleResult rule_layer_norm(const RuleInput& r);
 RuleResult rule_factory(const RuleInput& r);
 RuleResult rule_new_factory(const RuleInput& r);
+RuleResult rule_nonzero(const RuleInput& r);
+RuleResult rule_local(const RuleInput& r);
 
 }  // namespace autosp::rule_kit

@@ -65,6 +65,7 @@ const std::map<std::string, OpRule>& registry() {
                            "nontensor", "sym_arith"})
       m[op] = {rule_factory, PartialBehaviour::Reduce};
     m["new_full"] = {rule_new_factory, PartialBehaviour::Reduce};
+    m["nonzero"] = {rule_nonzero, PartialBehaviour::Reduce};
     // copy_(dst, src): dst takes src's values elementwise (aten.copy carries no pointwise tag).
     m["copy"] = {rule_elementwise, PartialBehaviour::Reduce};
     return m;
@@ -85,6 +86,8 @@ const OpRule* rule_for(const Node& n) {
   if (const OpRule* rule = find_rule(n.op)) return rule;
   return n.bool_attr("pointwise", false) ? &pointwise : nullptr;
 }
+
+RuleResult local_rule(const RuleInput& r) { return rule_local(r); }
 
 std::vector<std::string> registered_ops() {
   std::vector<std::string> ops;

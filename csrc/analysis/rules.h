@@ -76,6 +76,12 @@ const OpRule* find_rule(const std::string& op);
 //   {op="expm1", attrs={pointwise=true}} -> the elementwise rule; {op="expm1"} -> nullptr.
 const OpRule* rule_for(const Node& n);
 
+// The rule for a node with a token-local operand (Placement::Local: a data-dependent
+// selection of this rank's tokens, see rules_local.cpp), from the family of its op's rule:
+// row-by-row ops keep the selection, index_add_ at its positions writes it back into the
+// sharded tokens, a sum over it is partial. Throws PlanError for ops that would mix its rows.
+RuleResult local_rule(const RuleInput& r);
+
 // The ops with a registered rule, sorted (for documentation and tests).
 std::vector<std::string> registered_ops();
 

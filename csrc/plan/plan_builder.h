@@ -5,6 +5,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -121,6 +122,23 @@ class PlanBuilder {
   bool partial_passes(const OpRule& rule, const Node& n, const std::vector<int>& ins) const;
 
   void emit_generic(const Node& n);
+
+  // Token-local values (Placement::Local, see analysis/rules_local.cpp): the sizes of their
+  // selection dims (the data-dependent counts torch.where found on this rank: the unbacked
+  // symbols of their opaque sizes, "u0").
+  std::set<std::string> local_counts_;
+
+  // The rule result for a node that reads a token-local value or this rank's count of one;
+  // nullopt when the node touches neither. Throws where the op would differ from one device.
+  std::optional<RuleResult> token_local(const Node& n, const std::vector<int>& ins);
+
+  // Whether `value` (an input-graph value) is a new zeros/ones/empty/full tensor that only
+  // `n` reads: an in-place write into its local slice then loses nothing (HF MoE's
+  // torch.zeros((B * S, C)).index_add_(0, positions, rows)).
+  bool fresh_fill(const Node& n, int value) const;
+
+  // Attention, cross-entropy and the outputs take whole sequences, never a local selection.
+  void refuse_local_operands(const Node& n) const;
 
   // Rules see the node with mapped inputs and the *input graph's* output values (same
   // shapes), so shapes of both sides are available.

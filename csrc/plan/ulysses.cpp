@@ -18,6 +18,8 @@ namespace plan_detail {
 SpPlan PlanBuilder::run() {
   for (const Node& n : in_.nodes) {
     if (n.has_attr("grad_enabled")) set_grad_mode(n.bool_attr("grad_enabled", true));
+    if (n.op == "output" || n.op == "sdpa" || n.op == "flex_attention" || n.op == "cross_entropy")
+      refuse_local_operands(n);
     if (n.op == "input")
       emit_input(n);
     else if (n.op == "output")
@@ -137,7 +139,10 @@ int PlanBuilder::copy_node(const Node& n, std::vector<int> inputs,
     c.attrs["refs"] = refs;
   }
   for (size_t i = 0; i < n.outputs.size(); ++i) {
-    int id = new_value(in_.value(n.outputs[i]), outs.at(i));
+    const Placement& p = outs.at(i);
+    if (p.is_local())
+      local_counts_.insert(in_.value(n.outputs[i]).shape.at(static_cast<size_t>(p.dim)).opaque);
+    int id = new_value(in_.value(n.outputs[i]), p);
     vmap_[static_cast<size_t>(n.outputs[i])] = id;
     c.outputs.push_back(id);
   }
@@ -344,7 +349,7 @@ bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
     if (placement(ins[i]).is_partial()) {
       if (first_partial < 0) first_partial = static_cast<int>(i);
       ++partial;
-    } else if (placement(ins[i]).is_shard()) {
+    } else if (!placement(ins[i]).is_replicate()) {
       return false;
     }
   }
@@ -375,7 +380,9 @@ void PlanBuilder::emit_generic(const Node& n) {
     if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
   const std::vector<Placement> in_places = placements_of(ins);
   RuleResult res;
-  if (!rule) {
+  if (auto local = token_local(n, ins)) {
+    res = std::move(*local);
+  } else if (!rule) {
     for (size_t i = 0; i < ins.size(); ++i)
       if (!in_places[i].is_replicate())
         throw PlanError(kPass, n,
@@ -392,7 +399,7 @@ void PlanBuilder::emit_generic(const Node& n) {
   // An in-place op writes into its first operand: it must not be a sliced copy of a
   // replicated tensor (the write would miss the tensor, and any view of it, read later).
   if (n.bool_attr("inplace", false) && !res.operands.empty() &&
-      res.operands[0].kind != OperandChange::Kind::Keep)
+      res.operands[0].kind != OperandChange::Kind::Keep && !fresh_fill(n, n.inputs[0]))
     throw PlanError(kPass, n,
                     "an in-place '" + n.op + "' into a replicated " + shape_str(val(ins[0]).shape) +
                         " from sequence-sharded values",

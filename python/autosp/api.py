@@ -252,10 +252,13 @@ class SequenceParallelModule(nn.Module):
         sig = guard.signature(leaves)
         self.input_guard.check_call(leaves, sig)  # before any local check: ranks decide alike
         self._signatures.setdefault(self._prepare(args, kwargs), None)
+        # Data-dependent ops (torch.where(mask) in MoE routing) are captured into the graph,
+        # where the core keeps them local to each rank's tokens (token-local regions).
+        patch: dict[str, Any] = {"capture_dynamic_output_shape_ops": True}
+        if hasattr(torch._dynamo.config, "ignore_logging_functions"):
+            patch["ignore_logging_functions"] = _logging_functions()
         try:
-            if not hasattr(torch._dynamo.config, "ignore_logging_functions"):
-                return self._compiled(*args, **kwargs)
-            with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+            with torch._dynamo.config.patch(**patch):
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e

@@ -174,10 +174,9 @@ class _Replayer:
         items = self.bridge.tuple_items.get(cn.origin)
         if items is not None:
             for i, vid in enumerate(cn.outputs):
-                old_item = items[i]
                 item = self.graph.call_function(operator.getitem, (nn, i))
-                if old_item is not None:
-                    item.meta = copy.copy(old_item.meta)
+                for old_item in items[i]:
+                    item.meta = item.meta or copy.copy(old_item.meta)
                     self.old_to_new[old_item] = item
                 self.env[vid] = item
         else:

@@ -49,7 +49,7 @@ class BridgeResult:
     graph: Any  # _core.Graph
     fx_nodes: list[fx.Node]                       # core node id -> FX node
     input_paths: dict[int, list[ArgPath]]         # core node id -> FX arg path per core input
-    tuple_items: dict[int, list[fx.Node | None]]  # core node id -> getitem FX nodes per output
+    tuple_items: dict[int, list[list[fx.Node]]]  # core node id -> getitem FX nodes per output
     value_of: dict[fx.Node, int] = field(default_factory=dict)  # FX node -> core value id
     seq_symbols: set = field(default_factory=set)
 
@@ -229,18 +229,21 @@ class _Converter:
         core.loc = source_loc(node)
         ex = _example(node)
         outs: list[int] = []
-        items: list[fx.Node | None] = []
+        items: list[list[fx.Node]] = []
         if node.op == "output":
             pass
         elif isinstance(ex, (tuple, list)) and any(isinstance(e, torch.Tensor) for e in ex):
             self.tuple_nodes.add(node)
-            users = {u.args[1]: u for u in node.users if u.target is operator.getitem and isinstance(u.args[1], int)}
+            users: dict[int, list[fx.Node]] = {}
+            for u in node.users:  # Dynamo may read one item more than once (x = t[0]; y = t[0])
+                if u.target is operator.getitem and isinstance(u.args[1], int):
+                    users.setdefault(u.args[1], []).append(u)
             for i, e in enumerate(ex):
                 vid = self.g.add_value(self.value_for(e))
                 outs.append(vid)
-                user = users.get(i)
-                items.append(user)
-                if user is not None:
+                readers = users.get(i, [])
+                items.append(readers)
+                for user in readers:
                     self.res.value_of[user] = vid
         else:
             vid = self.g.add_value(self.value_for(ex))
@@ -294,6 +297,11 @@ class _Converter:
             attrs = dict(attrs, refs=refs)
         if _is_inplace(node):
             attrs = dict(attrs, inplace=True)
+        unbacked = _unbacked_symbols(node)
+        if unbacked:
+            # Sizes that depend on data (the count torch.where finds): a rank's count is not the
+            # single device's, so the core refuses them where they would change values.
+            attrs = dict(attrs, unbacked=",".join(unbacked))
         if is_pointwise(op) and op not in _REDUCTIONS:
             # The core's elementwise rule takes it. Torch tags ops per overload and the bridge
             # sees packets: max(x, dim) is a reduction though max(x, y) is pointwise.
@@ -302,6 +310,19 @@ class _Converter:
         if _is_inplace(node) and _is_tensor_node(node.args[0]) and node in self.res.value_of:
             # x.add_(y): later uses of x read the mutated value, i.e. this node's result.
             self.res.value_of[node.args[0]] = self.res.value_of[node]
+
+
+def _unbacked_symbols(node: fx.Node) -> list[str]:
+    """The data-dependent (unbacked) symbols among ``node``'s scalar arguments, sorted."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    found: set[str] = set()
+    for a in (*node.args, *node.kwargs.values()):
+        for item in (a if isinstance(a, (list, tuple)) else (a,)):
+            ex = _example(item) if isinstance(item, fx.Node) else item
+            if isinstance(ex, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                found.update(str(s) for s in free_unbacked_symbols(ex))
+    return sorted(found)
 
 
 def fx_to_core(gm: fx.GraphModule, example_inputs: list[Any], seq_dim: int = 1) -> BridgeResult:

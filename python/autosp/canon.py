@@ -165,13 +165,19 @@ def _c_where(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     if len(node.args) + len(node.kwargs) == 1:
         # torch.where(cond) is nonzero (data-dependent indices), not the pointwise where(c, a, b)
         # whose overloads carry torch's pointwise tag.
-        return "nonzero", _tensor_inputs(node), {}
+        return "nonzero", _tensor_inputs(node), {"as_tuple": True}
     return name, _tensor_inputs(node), {}
 
 
-@_canon("size", "sym_size", "dim", "numel", "stride", "getattr")
+@_canon("nonzero", "argwhere")
+def _c_nonzero(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    # One index tensor per dim (as_tuple) or one [n, ndim] tensor.
+    return "nonzero", _tensor_inputs(node, only=[0]), {"as_tuple": bool(node.kwargs.get("as_tuple", False))}
+
+
+@_canon("size", "sym_size", "sym_size.int", "dim", "numel", "stride", "getattr")
 def _c_size(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    if name in ("size", "sym_size") and len(node.args) > 1:
+    if name in ("size", "sym_size", "sym_size.int") and len(node.args) > 1:
         return "sym_size", _tensor_inputs(node, only=[0]), {"dim": _norm(_int(node.args[1]), xr)}
     if name in ("size", "numel") and _is_tensor_node(x):
         # x.size() / x.shape (a torch.Size) and x.numel() of a tensor: global on one device,
@@ -553,6 +559,7 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
                     else _rank(expanded[j]) for j in adv), default=0)
     adjacent = bool(adv) and adv == list(range(adv[0], adv[-1] + 1))
     dim_map: list[int] = []
+    index_dims: list[int] = []  # per index tensor (inputs 1..): the input dim it indexes
     sliced: list[int] = []
     starts: list[int] = []  # per sliced dim: where a step-1 slice starts, or -1
     in_dim, out_dim = 0, (0 if adjacent or not adv else adv_rank)
@@ -583,6 +590,7 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
                 adv_out = out_dim
                 out_dim += adv_rank
             consumed = _rank(it) if _is_tensor_node(it) and _example(it).dtype == torch.bool else 1
+            first_in = in_dim
             for _ in range(consumed):
                 dim_map.append(-1)
                 sliced.append(in_dim)
@@ -590,7 +598,9 @@ def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
                 in_dim += 1
             if _is_tensor_node(it):
                 inputs.append((it, ("args", 1, j) if isinstance(idx, tuple) else ("args", 1)))
-    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced, "slice_starts": starts}
+                index_dims.append(first_in)
+    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced, "slice_starts": starts,
+                             "index_dims": index_dims}
     if adv:
         attrs.update(index_out=adv_out, index_bool=adv_bool)
     return "index", inputs, attrs

@@ -18,18 +18,25 @@ void init_sp(nb::module_& m) {
   nb::enum_<PlacementKind>(m, "PlacementKind")
       .value("Replicate", PlacementKind::Replicate)
       .value("Shard", PlacementKind::Shard)
-      .value("Partial", PlacementKind::Partial);
+      .value("Partial", PlacementKind::Partial)
+      .value("Local", PlacementKind::Local);
 
   nb::class_<Placement>(m, "Placement")
       .def_ro("kind", &Placement::kind)
       .def_ro("dim", &Placement::dim)
       .def_ro("inner", &Placement::inner)
+      .def_ro("positions", &Placement::positions)
+      .def_ro("coef", &Placement::coef)
       .def_static("replicate", &Placement::replicate)
       .def_static("shard", &Placement::shard, nb::arg("dim"), nb::arg("inner") = 1)
       .def_static("partial", &Placement::partial)
+      .def_static("local", &Placement::local, nb::arg("bag"))
+      .def_static("local_positions", &Placement::local_positions, nb::arg("bag"), nb::arg("inner"),
+                  nb::arg("coef"))
       .def("is_shard", &Placement::is_shard)
       .def("is_partial", &Placement::is_partial)
       .def("is_replicate", &Placement::is_replicate)
+      .def("is_local", &Placement::is_local)
       .def("__str__", &Placement::str)
       .def("__repr__", &Placement::str)
       .def(nb::self == nb::self);
