@@ -162,6 +162,44 @@ def r_dropout_routed(m, h, flat, probs):
     return top1(m, flat, probs).index_add(0, tok, y), flat.new_zeros(())
 
 
+# Boolean-mask selection of rows (no routing): a loss over the selected tokens.
+
+
+class Masked(nn.Module):
+    """``loss(self, h, logits, labels)``: a loss over rows selected on each rank's tokens."""
+
+    def __init__(self, loss: Callable) -> None:
+        super().__init__()
+        self.loss = loss
+        self.embed = nn.Embedding(V, D)
+        self.fc = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + torch.tanh(self.fc(h))
+        return self.loss(self, h, self.head(h), labels)
+
+
+def m_ce_of_selected(m, h, logits, labels):  # cross-entropy over the rows torch.where picks
+    (tok,) = torch.where(h.sum(-1).view(-1) > 0)
+    return F.cross_entropy(logits.view(-1, V)[tok], labels.view(-1)[tok])
+
+
+def m_sum_over_count(m, h, logits, labels):  # a boolean-mask selection, summed
+    keep = h.sum(-1) > 0
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + h[keep].pow(2).sum() / keep.sum()
+
+
+def m_mean_of_selected(m, h, logits, labels):  # refused: a mean over the rank's rows
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + h[h.sum(-1) > 0].pow(2).mean()
+
+
+def m_ce_of_label_mask(m, h, logits, labels):  # refused: the mask from labels is replicated
+    keep = labels % 3 != 0
+    return F.cross_entropy(logits[keep], labels[keep])
+
+
 CASES: dict[str, Callable] = {
     "where-top2-index-add": r_where_top2,
     "nonzero-top1-out-of-place": r_nonzero_top1_out_of_place,
@@ -176,9 +214,15 @@ CASES: dict[str, Callable] = {
     "nonzero-matrix": r_nonzero_matrix,
     "dropout-routed": r_dropout_routed,
 }
+MASKED = {
+    "ce-of-mask-selected": m_ce_of_selected,
+    "sum-over-mask-count": m_sum_over_count,
+    "mean-of-mask-selected": m_mean_of_selected,
+    "ce-of-label-mask": m_ce_of_label_mask,
+}
 
 EXACT = ["where-top2-index-add", "nonzero-top1-out-of-place", "zeros-destination-in-place",
-         "z-loss-over-routed", "where-2d-mask"]
+         "z-loss-over-routed", "where-2d-mask", "ce-of-mask-selected", "sum-over-mask-count"]
 
 # Clear refusals: the op the AutospError must name.
 REFUSED = {
@@ -189,6 +233,8 @@ REFUSED = {
     "positions-of-another-dim": "index",
     "nonzero-matrix": "nonzero",
     "dropout-routed": "dropout",
+    "mean-of-mask-selected": "mean",
+    "ce-of-label-mask": "cross_entropy",
 }
 
 
@@ -199,8 +245,9 @@ def _worker(rank: int, world_size: int, names: list[str]) -> list[dict]:
 
     warnings.filterwarnings("ignore")
     mesh = autosp.init_mesh(world_size)
-    return [styles.run_case(n, functools.partial(Routed, CASES[n]), ids_labels, world_size, SEQ_LEN,
-                            mesh=mesh) for n in names]
+    build = {n: functools.partial(Masked, f) for n, f in MASKED.items()}
+    build.update({n: functools.partial(Routed, f) for n, f in CASES.items()})
+    return [styles.run_case(n, build[n], ids_labels, world_size, SEQ_LEN, mesh=mesh) for n in names]
 
 
 @functools.cache

@@ -98,6 +98,7 @@ RuleResult rule_layer_norm(const RuleInput& r);
 RuleResult rule_factory(const RuleInput& r);
 RuleResult rule_new_factory(const RuleInput& r);
 RuleResult rule_nonzero(const RuleInput& r);
+RuleResult rule_mask_index(const RuleInput& r);
 RuleResult rule_local(const RuleInput& r);
 
 }  // namespace autosp::rule_kit

@@ -9,6 +9,7 @@ namespace autosp::rule_kit {
 // Basic indexing and slicing: attrs dim_map (input dim -> output dim or -1) and
 // sliced_dims (input dims not taken whole).
 RuleResult rule_index(const RuleInput& r) {
+  if (r.node.bool_attr("index_bool", false) && !all_replicate_inputs(r)) return rule_mask_index(r);
   if (r.in.empty() || !r.in[0].is_shard()) {
     // A replicated table gathered by a sequence-sharded index tensor (MoE expert weights
     // picked per token: w[expert_ids]) is sharded like the index, whose dims stand at

@@ -220,6 +220,33 @@ RuleResult rule_nonzero(const RuleInput& r) {
   return keep_all(r, out);
 }
 
+// x[mask] with a boolean mask over dims k.. of x, either of them sharded along the same
+// sequence dim: each rank keeps the selected rows of its chunk (logits[labels != -100]).
+RuleResult rule_mask_index(const RuleInput& r) {
+  const auto index_dims = r.node.ints_attr("index_dims");
+  if (r.in.size() != 2 || index_dims.size() != 1)
+    conflict(r, describe_input(r, 0) + " indexed by a boolean mask next to other indices",
+             "one boolean mask");
+  const Value& mask = input_value(r, 1);
+  const int k = static_cast<int>(index_dims[0]);
+  const Placement &px = r.in[0], &pm = r.in[1];
+  // The mask's dim that holds the sequence, in x's dims.
+  const int d = px.is_shard() ? px.dim : pm.is_shard() ? k + pm.dim : -1;
+  const int64_t inner = px.is_shard() ? px.inner : pm.inner;
+  const bool covered = d >= k && d < k + mask.rank() &&
+                       input_value(r, 0).shape.at(static_cast<size_t>(d)).has_seq() &&
+                       input_value(r, 0).shape.at(static_cast<size_t>(d)) == mask.shape.at(d - k);
+  if (d < 0 || !covered ||
+      (px.is_shard() && pm.is_shard() && !(pm == Placement::shard(d - k, inner))))
+    conflict(r, describe_input(r, 0) + " indexed by the boolean " + describe_input(r, 1),
+             "a mask over the sharded sequence dim, sharded like it");
+  RuleResult res =
+      keep_all(r, {Placement::local(static_cast<int>(r.node.int_attr("index_out", 0)))});
+  if (px.is_replicate()) res.operands[0] = OperandChange::slice(d, inner);
+  if (pm.is_replicate()) res.operands[1] = OperandChange::slice(d - k, inner);
+  return res;
+}
+
 bool has_local_input(const RuleInput& r) { return first_local(r) >= 0; }
 
 RuleResult rule_local(const RuleInput& r) {

@@ -127,6 +127,19 @@ class PlanBuilder {
   // selection dims (the data-dependent counts torch.where found on this rank: the unbacked
   // symbols of their opaque sizes, "u0").
   std::set<std::string> local_counts_;
+  // Selections made from the same mask have the same count, though Dynamo gives each its own
+  // symbol (logits[keep] and labels[keep]): symbol -> the first symbol of that mask, and
+  // mask (plan value) -> that symbol. Values are copied with the first symbol.
+  std::map<std::string, std::string> same_count_;
+  std::map<int, std::string> count_of_mask_;
+  void note_local_count(const Node& n, const std::vector<int>& mapped_inputs, const Dim& count);
+  Value same_counts(Value v) const {
+    for (Dim& d : v.shape) {
+      auto it = d.is_opaque() ? same_count_.find(d.opaque) : same_count_.end();
+      if (it != same_count_.end()) d = Dim::expr(it->second);
+    }
+    return v;
+  }
 
   // The rule result for a node that reads a token-local value or this rank's count of one;
   // nullopt when the node touches neither. Throws where the op would differ from one device.
@@ -137,7 +150,13 @@ class PlanBuilder {
   // torch.zeros((B * S, C)).index_add_(0, positions, rows)).
   bool fresh_fill(const Node& n, int value) const;
 
-  // Attention, cross-entropy and the outputs take whole sequences, never a local selection.
+  // Cross-entropy over this rank's tokens (`args`: logits and targets, local): per token
+  // (`per_token`) for reduction none, partial for sum, for mean the local sum over the number
+  // of valid targets in the group (sp.count_valid).
+  void emit_loss_over_tokens(const Node& n, const std::vector<int>& args,
+                             const Placement& per_token);
+
+  // Attention and the outputs take whole sequences, never a local selection.
   void refuse_local_operands(const Node& n) const;
 
   // Rules see the node with mapped inputs and the *input graph's* output values (same

@@ -18,8 +18,7 @@ namespace plan_detail {
 SpPlan PlanBuilder::run() {
   for (const Node& n : in_.nodes) {
     if (n.has_attr("grad_enabled")) set_grad_mode(n.bool_attr("grad_enabled", true));
-    if (n.op == "output" || n.op == "sdpa" || n.op == "flex_attention" || n.op == "cross_entropy")
-      refuse_local_operands(n);
+    if (n.op == "output" || n.op == "sdpa" || n.op == "flex_attention") refuse_local_operands(n);
     if (n.op == "input")
       emit_input(n);
     else if (n.op == "output")
@@ -140,9 +139,8 @@ int PlanBuilder::copy_node(const Node& n, std::vector<int> inputs,
   }
   for (size_t i = 0; i < n.outputs.size(); ++i) {
     const Placement& p = outs.at(i);
-    if (p.is_local())
-      local_counts_.insert(in_.value(n.outputs[i]).shape.at(static_cast<size_t>(p.dim)).opaque);
-    int id = new_value(in_.value(n.outputs[i]), p);
+    if (p.is_local()) note_local_count(n, c.inputs, in_.value(n.outputs[i]).shape.at(p.dim));
+    int id = new_value(same_counts(in_.value(n.outputs[i])), p);
     vmap_[static_cast<size_t>(n.outputs[i])] = id;
     c.outputs.push_back(id);
   }
@@ -432,7 +430,7 @@ Graph& PlanBuilder::scratch_graph(const Node& n, const std::vector<int>& ins) {
   c.inputs.clear();
   c.outputs.clear();
   for (int v : ins) c.inputs.push_back(v < 0 ? -1 : scratch_.add_value(val(v)));
-  for (int o : n.outputs) c.outputs.push_back(scratch_.add_value(in_.value(o)));
+  for (int o : n.outputs) c.outputs.push_back(scratch_.add_value(same_counts(in_.value(o))));
   scratch_.add_node(std::move(c));
   return scratch_;
 }

@@ -134,6 +134,22 @@ void PlanBuilder::emit_cross_entropy(const Node& n) {
     throw PlanError(kPass, n, "a class-weight tensor", "cross-entropy without class weights",
                     "Weighted cross-entropy is not supported under sequence parallelism yet.");
   const Value& x = val(ins[0]);
+  if (px.is_local() && px.dim == 0 && x.rank() == 2 && pt.is_local() && pt.dim == 0 &&
+      val(ins[1]).shape.at(0) == x.shape.at(0)) {
+    // Rows selected on each rank (logits[mask], labels[mask]): per-row losses stay local,
+    // their sum is partial, their mean divides by the valid targets of every rank.
+    emit_loss_over_tokens(n, ins, Placement::local(0));
+    return;
+  }
+  if (px.is_local())
+    throw PlanError(kPass, n,
+                    "logits " + shape_str(x.shape) + " placed " + px.str() +
+                        " (rows selected on each rank) and targets " +
+                        shape_str(val(ins[1]).shape) + " placed " + pt.str(),
+                    "targets selected like the logits",
+                    "Select both with the same positions (torch.where on a mask over "
+                    "activations). A mask built from the labels alone is replicated: compute "
+                    "the loss with reduction='none' and average it with the mask instead.");
   if (!px.is_shard() || px.dim == 1 || (x.rank() > 1 && px.dim == 0 && x.rank() != 2) ||
       (x.rank() == 2 && px.dim != 0))
     throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
@@ -144,9 +160,14 @@ void PlanBuilder::emit_cross_entropy(const Node& n) {
                     "targets sharded like the logits' token dim");
   std::vector<int> args = ins;
   if (pt.is_replicate()) args[1] = slice(ins[1], tdim, px.inner, n.loc);
+  emit_loss_over_tokens(n, args, Placement::shard(tdim, px.inner));
+}
+
+void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& args,
+                                        const Placement& per_token) {
   const std::string reduction = n.str_attr("reduction", "mean");
   if (reduction == "none") {
-    copy_node(n, args, {Placement::shard(tdim, px.inner)}, {});
+    copy_node(n, args, {per_token}, {});
     return;
   }
   if (reduction == "sum") {
@@ -320,6 +341,20 @@ void PlanBuilder::emit_sdpa(const Node& n) {
                           {{val(outs[j]), Placement::shard(2)}}, n.loc)[0];
     vmap_[static_cast<size_t>(n.outputs[j])] = back;
   }
+}
+
+void PlanBuilder::note_local_count(const Node& n, const std::vector<int>& mapped_inputs,
+                                   const Dim& count) {
+  if (!count.is_opaque()) return;
+  local_counts_.insert(count.opaque);
+  // torch.where(mask) and x[mask] select mask.sum() rows.
+  const bool by_mask =
+      (n.op == "nonzero" || (n.op == "index" && n.bool_attr("index_bool", false))) &&
+      mapped_inputs.size() == (n.op == "nonzero" ? 1u : 2u);
+  if (!by_mask) return;
+  const int mask = mapped_inputs.back();
+  auto [it, fresh] = count_of_mask_.emplace(mask, count.opaque);
+  if (!fresh && it->second != count.opaque) same_count_[count.opaque] = it->second;
 }
 
 bool PlanBuilder::fresh_fill(const Node& n, int value) const {

@@ -569,11 +569,13 @@ TEST(IndexRule, ShardedIndexTensor) {
   const int z = b.at(6).op("index", {table, mask}, {Dim::expr("u0"), C(64)},
                            {{"dim_map", std::vector<int64_t>{-1, 1}},
                             {"sliced_dims", std::vector<int64_t>{0}},
+                            {"index_dims", std::vector<int64_t>{0}},
                             {"index_out", int64_t{0}},
                             {"index_bool", true}});
   EXPECT_TRUE(contains(rule_error(b, z, {R, Sh(0)}),
-                       "op 'index' at model.py:6: found input 1 b8[128] placed S(0) used as an "
-                       "index; expected replicated index tensors, or one integer index tensor"));
+                       "op 'index' at model.py:6: found input 0 f32[128, 64] placed R indexed by "
+                       "the boolean input 1 b8[128] placed S(0); expected a mask over the sharded "
+                       "sequence dim, sharded like it"));
   const int x = b.input("x", {C(2), S(), C(64)}, "f32", "data");
   const int tokens = b.at(7).op("index", {x, idx}, {C(2), S(), C(64)},
                                 {{"dim_map", std::vector<int64_t>{-1, -1, 2}},
@@ -943,6 +945,28 @@ TEST(TokenLocal, WhereGatherExpertIndexAdd) {
   EXPECT_EQ(run_local(b, total, {L0}), (Outcome{{P}, {Keep}}));
   const int per_row = b.op("sum", {y}, {U}, {{"dims", std::vector<int64_t>{1}}});
   EXPECT_EQ(run_local(b, per_row, {L0}), (Outcome{{L0}, {Keep}}));
+}
+
+TEST(TokenLocal, BooleanMaskSelectsEachRanksRows) {
+  // h[keep] with h [B, S, C] and keep [B, S]: each rank keeps the selected rows of its chunk.
+  GraphBuilder b;
+  const Dim U = Dim::expr("u0");
+  const int h = b.input("h", {C(2), S(), C(8)}, "f32", "data");
+  const int keep = b.input("keep", {C(2), S()}, "bool", "data");
+  const int rows = b.op("index", {h, keep}, {U, C(8)},
+                        {{"dim_map", std::vector<int64_t>{-1, -1, 1}},
+                         {"sliced_dims", std::vector<int64_t>{0, 1}},
+                         {"index_dims", std::vector<int64_t>{0}},
+                         {"index_out", int64_t{0}},
+                         {"index_bool", true}});
+  const Placement L0 = Placement::local(0);
+  EXPECT_EQ(run_rule(b, rows, {Sh(1), Sh(1)}), (Outcome{{L0}, {Keep, Keep}}));
+  // A replicated mask (or tensor) is sliced to the chunk first.
+  EXPECT_EQ(run_rule(b, rows, {Sh(1), R}), (Outcome{{L0}, {Keep, Slice(1)}}));
+  EXPECT_EQ(run_rule(b, rows, {R, Sh(1)}), (Outcome{{L0}, {Slice(1), Keep}}));
+  EXPECT_EQ(run_rule(b, rows, {R, R}), (Outcome{{R}, {Keep, Keep}}));
+  // Sharded along different dims: refused.
+  EXPECT_NE(rule_error(b, rows, {Sh(1), Sh(0)}).find("sharded like it"), std::string::npos);
 }
 
 TEST(TokenLocal, RowMixingAndWrongPositionsAreRefused) {
