@@ -200,6 +200,26 @@ def m_ce_of_label_mask(m, h, logits, labels):  # refused: the mask from labels i
     return F.cross_entropy(logits[keep], labels[keep])
 
 
+# Found by a breaker review (each was a silent mismatch before its fix).
+
+
+def r_positions_as_values(m, h, flat, probs):  # refused: tok % S reads chunk positions as numbers
+    (tok,) = torch.where(probs.argmax(-1) == 0)
+    table = torch.arange(flat.size(0), dtype=flat.dtype)
+    return top1(m, flat, probs), table[tok % h.size(1)].sum() / flat.numel()
+
+
+def r_fill_reads_count(m, h, flat, probs):  # refused: 1/n with n this rank's count
+    (tok,) = torch.where(probs.argmax(-1) == 0)
+    n = tok.size(0)
+    w = torch.full((n, 1), 1.0 / (n + 1))
+    return top1(m, flat, probs).index_add(0, tok, expert(m, 0, flat[tok]) * w), flat.new_zeros(())
+
+
+def m_partial_plus_scalar(m, h, logits, labels):  # exact: P + c needs the sum first
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + (h.pow(2).sum() + 1000.0).sqrt()
+
+
 CASES: dict[str, Callable] = {
     "where-top2-index-add": r_where_top2,
     "nonzero-top1-out-of-place": r_nonzero_top1_out_of_place,
@@ -213,16 +233,20 @@ CASES: dict[str, Callable] = {
     "positions-of-another-dim": r_positions_of_another_dim,
     "nonzero-matrix": r_nonzero_matrix,
     "dropout-routed": r_dropout_routed,
+    "positions-as-values": r_positions_as_values,
+    "fill-reads-count": r_fill_reads_count,
 }
 MASKED = {
     "ce-of-mask-selected": m_ce_of_selected,
     "sum-over-mask-count": m_sum_over_count,
     "mean-of-mask-selected": m_mean_of_selected,
     "ce-of-label-mask": m_ce_of_label_mask,
+    "partial-plus-scalar": m_partial_plus_scalar,
 }
 
 EXACT = ["where-top2-index-add", "nonzero-top1-out-of-place", "zeros-destination-in-place",
-         "z-loss-over-routed", "where-2d-mask", "ce-of-mask-selected", "sum-over-mask-count"]
+         "z-loss-over-routed", "where-2d-mask", "ce-of-mask-selected", "sum-over-mask-count",
+         "partial-plus-scalar"]
 
 # Clear refusals: the op the AutospError must name.
 REFUSED = {
@@ -235,6 +259,8 @@ REFUSED = {
     "dropout-routed": "dropout",
     "mean-of-mask-selected": "mean",
     "ce-of-label-mask": "cross_entropy",
+    "positions-as-values": "remainder",
+    "fill-reads-count": "full",
 }
 
 

@@ -253,11 +253,19 @@ RuleResult rule_local(const RuleInput& r) {
   const OpRule* rule = rule_for(r.node);
   const RuleFn fn = rule ? rule->fn : nullptr;
   const int l = first_local(r);
+  // Positions inside this rank's chunk are not the single device's positions: they may be
+  // copied, cast and used as an index, never read as numbers (tok % S, tok < 4, tok * w).
+  static const std::set<std::string> copies = {"to", "clone", "contiguous", "detach", "alias"};
+  for (size_t i = 0; i < r.in.size(); ++i) {
+    if (!r.in[i].is_local() || !r.in[i].positions) continue;
+    const bool as_index = (fn == rule_index && i >= 1) || (fn == rule_scatter_gather && i == 1);
+    if (!as_index && !copies.count(r.node.op) && fn != rule_sym_size)
+      refuse(r, static_cast<int>(i), "holding positions in this rank's chunk, read as numbers",
+             "positions only used to index the dim they were found in (or copied, cast)");
+  }
   const int out_rank = r.node.outputs.empty() ? 0 : output_value(r, 0).rank();
-  static const std::set<std::string> keeps_values = {"to", "clone", "contiguous", "detach",
-                                                     "alias"};
   if (fn == rule_elementwise || fn == rule_identity)
-    return rowwise(r, out_rank, keeps_values.count(r.node.op) != 0);
+    return rowwise(r, out_rank, copies.count(r.node.op) != 0);
   if (fn == rule_linear || fn == rule_layer_norm || fn == rule_matmul) {
     const Value& x = input_value(r, 0);
     const bool last =

@@ -354,7 +354,8 @@ bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
   if (partial == 0) return false;
   switch (rule.partial) {
     case PartialBehaviour::Additive:
-      return partial == tensors;
+      // P + 1 would add the 1 on every rank: a scalar operand needs the sum first.
+      return partial == tensors && !n.bool_attr("scalar_operand", false);
     case PartialBehaviour::Scale:
       return partial == 1 && (n.op != "div" || first_partial == 0);
     case PartialBehaviour::Unary:

@@ -395,8 +395,10 @@ std::optional<RuleResult> PlanBuilder::token_local(const Node& n, const std::vec
       std::any_of(ins.begin(), ins.end(), [&](int v) { return placement(v).is_local(); });
   if (!reads_count && !local_in) return std::nullopt;
   static const std::set<std::string> symbolic = {"nontensor", "sym_arith", "sym_size"};
-  static const std::set<std::string> sizes = {"reshape", "expand", "repeat"};
-  static const std::set<std::string> fills = {"zeros", "ones", "empty", "full", "new_full"};
+  // Ops whose symbolic arguments are sizes only (full / new_full also take a fill value, and
+  // repeat's counts multiply rows: both could read the count as a number).
+  static const std::set<std::string> sizes = {"reshape", "expand"};
+  static const std::set<std::string> fills = {"zeros", "ones", "empty"};
   if (reads_count && !local_in && fills.count(n.op) && n.outputs.size() == 1) {
     const Value& out = in_.value(n.outputs[0]);
     for (int d = 0; d < out.rank(); ++d)

@@ -297,6 +297,11 @@ class _Converter:
             attrs = dict(attrs, refs=refs)
         if _is_inplace(node):
             attrs = dict(attrs, inplace=True)
+        if any(isinstance(_example(a) if isinstance(a, fx.Node) else a,
+                          (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(a, bool)
+               for a in node.args):
+            # x + 1: the core must not add the scalar on every rank to a partial sum.
+            attrs = dict(attrs, scalar_operand=True)
         unbacked = _unbacked_symbols(node)
         if unbacked:
             # Sizes that depend on data (the count torch.where finds): a rank's count is not the
