@@ -1,7 +1,7 @@
 // The Ulysses plan builder (internal to plan/): walks the input graph in order, applies each
 // op's placement rule and emits the plan (see ulysses.h). Its general machinery is defined in
 // ulysses.cpp; the op-specific emitters (attention, cross-entropy, scans, shifts, halos) in
-// ulysses_ops.cpp.
+// ulysses_ops.cpp; the token-local driver in token_local.cpp.
 #pragma once
 
 #include <map>

@@ -404,7 +404,8 @@ void PlanBuilder::emit_generic(const Node& n) {
                         " from sequence-sharded values",
                     "a destination sharded like the values written into it",
                     "Allocate the destination from a sharded tensor (x.new_empty(...), "
-                    "torch.zeros_like(x)) or compute the result out of place.");
+                    "torch.zeros_like(x)) or compute the result out of place (a new "
+                    "torch.zeros(...) is made local only when nothing but this write reads it).");
   if (res.expansion == "mean_partial") {
     emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
     return;

@@ -179,6 +179,7 @@ class SequenceParallelModule(nn.Module):
         self.seq_dim = seq_dim
         self.names = guard.positional_names(model.forward)
         self.sp_group = sp_group
+        self._capture_data_dependent = False
         self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group)
         self._signatures: dict[tuple, None] = {}  # distinct shapes (S aside), dtypes, train mode
         # Not registered as a submodule: the parameters and state_dict are the model's,
@@ -252,9 +253,12 @@ class SequenceParallelModule(nn.Module):
         sig = guard.signature(leaves)
         self.input_guard.check_call(leaves, sig)  # before any local check: ranks decide alike
         self._signatures.setdefault(self._prepare(args, kwargs), None)
-        # Data-dependent ops (torch.where(mask) in MoE routing) are captured into the graph,
-        # where the core keeps them local to each rank's tokens (token-local regions).
-        patch: dict[str, Any] = {"capture_dynamic_output_shape_ops": True}
+        patch: dict[str, Any] = {}
+        if self._capture_data_dependent:
+            # Data-dependent ops (torch.where(mask) in MoE routing) are captured into the graph,
+            # where the core keeps them local to each rank's tokens (token-local regions). Only
+            # for modules that need it: the capture makes every compile slower.
+            patch["capture_dynamic_output_shape_ops"] = True
         if hasattr(torch._dynamo.config, "ignore_logging_functions"):
             patch["ignore_logging_functions"] = _logging_functions()
         try:
@@ -269,6 +273,11 @@ class SequenceParallelModule(nn.Module):
             raise self._recompile_error(leaves) from e
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             text = str(e)
+            if not self._capture_data_dependent and "capture_dynamic_output_shape_ops" in text:
+                # Dynamo stopped at a data-dependent op before anything ran (every rank alike):
+                # capture it, once, and compile again.
+                self._capture_data_dependent = True
+                return self.forward(*args, **kwargs)
             hint = ""
             if "data-dependent" in text:
                 hint = (" The model's control flow or shapes depend on tensor values (e.g. looping "

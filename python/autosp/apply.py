@@ -320,7 +320,7 @@ class _Replayer:
 
 def _unslice(fxn: fx.Node, args: Any, kwargs: dict, dim: int) -> tuple[Any, Any, dict]:
     """The indexing node ``fxn`` with its slice of input dim ``dim`` taken whole."""
-    from autosp.canon import expand_index
+    from autosp.canon_index import expand_index
 
     if fxn.target is operator.getitem:
         x, idx = args[0], args[1]

@@ -189,7 +189,9 @@ def _c_size(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
 @_canon("getitem")
 def _c_getitem(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     if isinstance(_example(x), torch.Tensor):
-        return _canon_index(node)
+        from autosp.canon_index import canon_index  # the index rules import this module
+
+        return canon_index(node)
     return "nontensor", [], {}
 
 
@@ -358,46 +360,6 @@ def _c_embedding(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
         {"max_norm": True} if max_norm is not None else {})
 
 
-def _optional_tensors(node: fx.Node, keys: tuple[str, ...]) -> list[tuple[fx.Node | None, ArgPath]]:
-    """The operands at ``keys`` (positional or keyword), None where absent or not a tensor."""
-    ins: list[tuple[fx.Node | None, ArgPath]] = []
-    for i, k in enumerate(keys):
-        a, p = (node.args[i], ("args", i)) if len(node.args) > i else (node.kwargs.get(k), ("kwargs", k))
-        ins.append((a if _is_tensor_node(a) else None, p))
-    return ins
-
-
-@_canon("sdpa")
-def _c_sdpa(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    ins = _optional_tensors(node, ("query", "key", "value", "attn_mask"))
-    if ins[3][0] is None:
-        ins = ins[:3]
-    attrs = {
-        "is_causal": bool(_arg(node, 5, "is_causal", False)),
-        "enable_gqa": bool(node.kwargs.get("enable_gqa", False)),
-    }
-    dropout_p = _arg(node, 4, "dropout_p", 0.0)
-    if isinstance(dropout_p, fx.Node) or float(dropout_p) != 0.0:
-        attrs["dropout_p"] = 1.0 if isinstance(dropout_p, fx.Node) else float(dropout_p)
-    return "sdpa", ins, attrs
-
-
-@_canon("flex_attention")
-def _c_flex(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    return _canon_flex(node)
-
-
-@_canon("cross_entropy")
-def _c_cross_entropy(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    ins = _optional_tensors(node, ("input", "target", "weight"))
-    if ins[2][0] is None:
-        ins = ins[:2]
-    return "cross_entropy", ins, {
-        "reduction": str(_arg(node, 6, "reduction", "mean")),
-        "ignore_index": _int(_arg(node, 4, "ignore_index", -100)),
-    }
-
-
 @_canon("new_full", "new_tensor", *_FACTORIES)
 def _c_factory(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     if name == "new_full" and _is_tensor_node(x):
@@ -405,34 +367,6 @@ def _c_factory(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
         # position, so the core may allocate them sharded like x (MLA's key buffer).
         return "new_full", _tensor_inputs(node, only=[0]), {}
     return ("new_full" if name in ("new_full", "new_tensor") else name), [], {}
-
-
-def _reads_head_index(gm: Any, index: int) -> bool:
-    """Whether a score_mod / mask_mod graph reads its head-index argument (placeholder
-    ``index``): under Ulysses each rank runs H/P heads and flex_attention passes the local
-    head index."""
-    if not isinstance(gm, fx.GraphModule):
-        return True  # unknown: assume it does
-    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return index < len(holders) and len(holders[index].users) > 0
-
-
-def _canon_flex(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
-    """flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_mod_buffers,
-    mask_mod_buffers): q, k and v, then the block mask's tensors, then the mods' buffers."""
-    owner = node.graph.owning_module
-    q_k_v = _tensor_inputs(node, only=[0, 1, 2])
-    block_mask = _tensor_inputs(node, only=[4])
-    buffers = _tensor_inputs(node, only=[7, 8])
-    score_mod = node.args[3] if len(node.args) > 3 else None
-    mask_mod = node.args[4][-1] if len(node.args) > 4 and isinstance(node.args[4], (tuple, list)) else None
-
-    def mod(n: Any) -> Any:
-        return getattr(owner, n.target, None) if isinstance(n, fx.Node) and n.op == "get_attr" else n
-
-    heads = _reads_head_index(mod(score_mod), 2) or (mask_mod is not None and _reads_head_index(mod(mask_mod), 1))
-    return "flex_attention", q_k_v + block_mask + buffers, {
-        "enable_gqa": True, "block_mask_inputs": len(block_mask), "reads_head_index": heads}
 
 
 def _adds_nothing(t: Any, dim: int) -> bool:
@@ -500,107 +434,5 @@ def _conv1d_attrs(node: fx.Node) -> dict[str, Any]:
     return {"stride": stride, "dilation": dilation, "kernel": kernel, "pad_left": left, "pad_right": right}
 
 
-def _static_start(it: slice) -> int:
-    """Where a step-1 slice with a static, non-negative start begins; -1 otherwise."""
-    if it.step not in (None, 1):
-        return -1
-    if it.start is None:
-        return 0
-    return it.start if isinstance(it.start, int) and it.start >= 0 else -1
-
-
-def _dim_size(n: Any, d: int) -> Any:
-    ex = _example(n)
-    return ex.shape[d] if isinstance(ex, torch.Tensor) and d < ex.dim() else None
-
-
-def _same_size(a: Any, b: Any) -> bool:
-    """Whether two sizes are the same int or the same symbolic expression (compared
-    without adding a guard)."""
-    if a is None or b is None:
-        return False
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return bool(a.node.expr == b.node.expr)
-    return False
-
-
-def expand_index(idx: Any, rank: int) -> list[Any]:
-    """The items of ``x[idx]`` for a tensor of ``rank`` dims, the Ellipsis expanded and
-    trailing dims filled with full slices."""
-    items = list(idx) if isinstance(idx, tuple) else [idx]
-    n_consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
-    expanded: list[Any] = []
-    for it in items:
-        if it is Ellipsis:
-            expanded.extend([slice(None)] * (rank - n_consuming))
-        else:
-            expanded.append(it)
-    while sum(1 for it in expanded if it is not None) < rank:
-        expanded.append(slice(None))
-    return expanded
-
-
-def _canon_index(node: fx.Node) -> tuple[str, list, dict[str, Any]]:
-    x, idx = node.args[0], node.args[1]
-    rank = _rank(x)
-    inputs = [(x, ("args", 0))]
-    expanded = expand_index(idx, rank)
-    # Advanced (tensor) indices: PyTorch puts the dims of their broadcast result where the
-    # first of them stands when they are adjacent, and in front of all dims otherwise. A bool
-    # index consumes as many dims as it has and gives one (its nonzero positions).
-    def is_advanced(it: Any) -> bool:
-        return _is_tensor_node(it) or isinstance(it, (list, tuple))
-
-    adv = [j for j, it in enumerate(expanded) if is_advanced(it)]
-    adv_bool = any(_is_tensor_node(expanded[j]) and _example(expanded[j]).dtype == torch.bool for j in adv)
-    adv_rank = max((1 if not _is_tensor_node(expanded[j]) or _example(expanded[j]).dtype == torch.bool
-                    else _rank(expanded[j]) for j in adv), default=0)
-    adjacent = bool(adv) and adv == list(range(adv[0], adv[-1] + 1))
-    dim_map: list[int] = []
-    index_dims: list[int] = []  # per index tensor (inputs 1..): the input dim it indexes
-    sliced: list[int] = []
-    starts: list[int] = []  # per sliced dim: where a step-1 slice starts, or -1
-    in_dim, out_dim = 0, (0 if adjacent or not adv else adv_rank)
-    adv_out = 0
-    for j, it in enumerate(expanded):
-        if it is None:
-            out_dim += 1
-            continue
-        if isinstance(it, slice):
-            full = it.start in (None, 0) and it.stop is None and it.step in (None, 1)
-            if not full and it.step in (None, 1):
-                # A slice that keeps every element of the dim (x[:, -w:] with S <= w, which
-                # Dynamo guards) takes it whole: its size is the input's.
-                full = _same_size(_dim_size(x, in_dim), _dim_size(node, out_dim))
-            if not full:
-                sliced.append(in_dim)
-                starts.append(_static_start(it))
-            dim_map.append(out_dim)
-            in_dim += 1
-            out_dim += 1
-        elif not is_advanced(it):  # an int: the dim goes away
-            dim_map.append(-1)
-            sliced.append(in_dim)
-            starts.append(-1)
-            in_dim += 1
-        else:
-            if adjacent and j == adv[0]:
-                adv_out = out_dim
-                out_dim += adv_rank
-            consumed = _rank(it) if _is_tensor_node(it) and _example(it).dtype == torch.bool else 1
-            first_in = in_dim
-            for _ in range(consumed):
-                dim_map.append(-1)
-                sliced.append(in_dim)
-                starts.append(-1)
-                in_dim += 1
-            if _is_tensor_node(it):
-                inputs.append((it, ("args", 1, j) if isinstance(idx, tuple) else ("args", 1)))
-                index_dims.append(first_in)
-    attrs: dict[str, Any] = {"dim_map": dim_map, "sliced_dims": sliced, "slice_starts": starts,
-                             "index_dims": index_dims}
-    if adv:
-        attrs.update(index_out=adv_out, index_bool=adv_bool)
-    return "index", inputs, attrs
+# The attention and loss rows live in their own module; importing it registers them.
+from autosp import canon_attention  # noqa: E402,F401

@@ -1,0 +1,93 @@
+// The Ulysses plan builder's driver for token-local regions (see analysis/rules_local.cpp):
+// which nodes read a local selection or this rank's count of one, the counts that selections
+// from one mask share, fresh destinations written in place, and the ops that take whole
+// sequences only.
+#include <algorithm>
+#include <set>
+
+#include "plan/plan_builder.h"
+
+namespace autosp::plan_detail {
+
+void PlanBuilder::note_local_count(const Node& n, const std::vector<int>& mapped_inputs,
+                                   const Dim& count) {
+  if (!count.is_opaque()) return;
+  local_counts_.insert(count.opaque);
+  // torch.where(mask) and x[mask] select mask.sum() rows.
+  const bool by_mask =
+      (n.op == "nonzero" || (n.op == "index" && n.bool_attr("index_bool", false))) &&
+      mapped_inputs.size() == (n.op == "nonzero" ? 1u : 2u);
+  if (!by_mask) return;
+  const int mask = mapped_inputs.back();
+  auto [it, fresh] = count_of_mask_.emplace(mask, count.opaque);
+  if (!fresh && it->second != count.opaque) same_count_[count.opaque] = it->second;
+}
+
+bool PlanBuilder::fresh_fill(const Node& n, int value) const {
+  static const std::set<std::string> fills = {"zeros", "ones", "empty", "full", "new_full"};
+  const int p = in_.producer(value);
+  if (p < 0 || !fills.count(in_.nodes[static_cast<size_t>(p)].op)) return false;
+  int readers = 0;
+  for (const Node& m : in_.nodes)
+    readers += static_cast<int>(std::count(m.inputs.begin(), m.inputs.end(), value));
+  return readers == 1 && std::count(n.inputs.begin(), n.inputs.end(), value) == 1;
+}
+
+void PlanBuilder::refuse_local_operands(const Node& n) const {
+  for (size_t i = 0; i < n.inputs.size(); ++i) {
+    const int v = mapped(n.inputs[i]);
+    if (v < 0 || !placement(v).is_local()) continue;
+    throw PlanError(
+        kPass, n,
+        "input " + std::to_string(i) + " " + shape_str(val(v).shape) + " placed " +
+            placement(v).str() +
+            ", a token-local value (a data-dependent selection of this rank's tokens)",
+        n.op == "output" ? "outputs over the whole sequence" : "operands over the whole sequence",
+        "Write the routed rows back into the token dim (index_add_) first.");
+  }
+}
+
+std::optional<RuleResult> PlanBuilder::token_local(const Node& n, const std::vector<int>& ins) {
+  // This rank's count of selected tokens, read as a number: one device reads the count of the
+  // whole batch. Sizes of new tensors (views, zeros of that many rows) are fine: they list
+  // the same selection.
+  bool reads_count = false;
+  const std::string symbols = n.str_attr("unbacked", "");
+  for (size_t b = 0, e; b < symbols.size(); b = e + 1) {
+    e = std::min(symbols.find(',', b), symbols.size());
+    reads_count = reads_count || local_counts_.count(symbols.substr(b, e - b)) != 0;
+  }
+  const bool local_in =
+      std::any_of(ins.begin(), ins.end(), [&](int v) { return placement(v).is_local(); });
+  if (!reads_count && !local_in) return std::nullopt;
+  static const std::set<std::string> symbolic = {"nontensor", "sym_arith", "sym_size"};
+  // Ops whose symbolic arguments are sizes only (full / new_full also take a fill value, and
+  // repeat's counts multiply rows: both could read the count as a number).
+  static const std::set<std::string> sizes = {"reshape", "expand"};
+  static const std::set<std::string> fills = {"zeros", "ones", "empty"};
+  if (reads_count && !local_in && fills.count(n.op) && n.outputs.size() == 1) {
+    const Value& out = in_.value(n.outputs[0]);
+    for (int d = 0; d < out.rank(); ++d)
+      if (out.shape[static_cast<size_t>(d)].is_opaque() &&
+          local_counts_.count(out.shape[static_cast<size_t>(d)].opaque)) {
+        RuleResult res;
+        res.out = {Placement::local(d)};
+        res.operands.assign(ins.size(), OperandChange::keep());
+        return res;
+      }
+  }
+  if (reads_count && !symbolic.count(n.op) && !(local_in && sizes.count(n.op)))
+    throw PlanError(kPass, n,
+                    "an argument that depends on the number of tokens torch.where selected (" +
+                        symbols + "), which on this rank counts its own tokens only",
+                    "that count used only as the size of the selection",
+                    "One device counts the tokens of the whole batch: a mean over the selected "
+                    "tokens must be a sum over them divided by a count from the full mask "
+                    "(mask.sum()).");
+  if (!local_in) return std::nullopt;
+  Graph& g = scratch_graph(n, ins);
+  RuleInput r{g, g.nodes.back(), placements_of(ins), cfg_.sp_size};
+  return local_rule(r);
+}
+
+}  // namespace autosp::plan_detail
