@@ -55,7 +55,8 @@ MAX_PARAMS = 3_000_000
 # HF model with aot_eager takes ~5-30 s on a loaded 2-core machine.
 MODEL_TIMEOUT_S = 300.0
 
-# Forward kwargs per model_type, found by precheck (use_cache=False where the forward takes it).
+# Extra forward kwargs per model_type, found by precheck (e.g. use_cache=False where the
+# default cache breaks training of the plain model).
 CALL_KWARGS: dict[str, dict[str, Any]] = {}
 
 OUTCOMES = ("exact", "error", "mismatch", "crash", "skip")
@@ -266,10 +267,8 @@ def precheck(model_type: str, class_name: str, seq_len: int = SEQ_LEN) -> str | 
         return "no modules"
     input_ids, labels = make_batch(VOCAB, BATCH_SIZE, seq_len, BATCH_SEEDS[0])
     first = ""
-    # As a training loop calls it: without the KV cache, which exists for generation (TRL and
-    # most fine-tuning recipes set use_cache=False; gradient checkpointing forces it), unless
-    # the forward does not take use_cache.
-    for call_kwargs in ({"use_cache": False}, {}):
+    # As users call it; if the default KV cache breaks training, without the cache.
+    for call_kwargs in ({}, {"use_cache": False}):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -281,7 +280,7 @@ def precheck(model_type: str, class_name: str, seq_len: int = SEQ_LEN) -> str | 
                     return f"non-finite single-device loss {loss.item()}"
                 loss.backward()
         except Exception as e:  # noqa: BLE001
-            first = f"plain model does not train on CPU: {type(e).__name__}: {_first_line(e)}"
+            first = first or f"plain model does not train on CPU: {type(e).__name__}: {_first_line(e)}"
             continue
         CALL_KWARGS[model_type] = call_kwargs
         return None

@@ -46,7 +46,7 @@ KNOWN_FAILING: dict[str, tuple[str, str]] = {
     "bamba": ("error", _CONV1D),
     "ctrl": ("error", "graph break: the forward reassigns a buffer (self.pos_encoding = ...to())"),
     "doge": ("error", "attention mask built from sharded per-key activations (dynamic mask)"),
-    "dory": ("error", "sliding-window KV cache: torch.cat([empty past keys, keys], dim=-2) along S"),
+    "dory": ("error", "graph break: copy.deepcopy of the cache layers in its looped layers"),
     "falcon_h1": ("error", _MAMBA_CACHE),
     "granitemoehybrid": ("error", _CONV1D),
     "inkling_text": ("error", _CONV1D),
