@@ -264,7 +264,7 @@ REFUSED = {
 }
 
 
-def _worker(rank: int, world_size: int, names: list[str]) -> list[dict]:
+def _worker(rank: int, world_size: int, names: list[str], seq_len: int = SEQ_LEN) -> list[dict]:
     import warnings
 
     import autosp
@@ -273,7 +273,7 @@ def _worker(rank: int, world_size: int, names: list[str]) -> list[dict]:
     mesh = autosp.init_mesh(world_size)
     build = {n: functools.partial(Masked, f) for n, f in MASKED.items()}
     build.update({n: functools.partial(Routed, f) for n, f in CASES.items()})
-    return [styles.run_case(n, build[n], ids_labels, world_size, SEQ_LEN, mesh=mesh) for n in names]
+    return [styles.run_case(n, build[n], ids_labels, world_size, seq_len, mesh=mesh) for n in names]
 
 
 @functools.cache
@@ -296,3 +296,11 @@ def test_token_local_refused_clearly(name: str) -> None:
     message = str(info.value)
     assert f"op '{REFUSED[name]}'" in message, message
     assert "test_token_local.py:" in message, f"the refusal does not name the source line: {message}"
+
+
+@pytest.mark.slow
+def test_token_local_exact_world4() -> None:
+    """The exact cases at world 4 (S = 32: 8 positions of each sequence per rank)."""
+    per_rank = run_ranks(4, _worker, EXACT, 32, timeout=RANK_TIMEOUT_S)
+    for name in EXACT:
+        styles.raise_worst_outcome(tuple({r["name"]: r for r in rs} for rs in per_rank), name, "world 4")
