@@ -139,7 +139,9 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
     (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`.
-    The raw backend does not compare inputs across the SP group (see ``check_inputs``)."""
+    The raw backend does not compare inputs across the SP group (see ``check_inputs``), and
+    does not turn on ``torch._dynamo.config.capture_dynamic_output_shape_ops`` for models that
+    route tokens with ``torch.where(mask)`` (autosp.compile does, for modules that need it)."""
     _check_seq_dim(seq_dim)
     _check_outputs(outputs)
     return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs)
