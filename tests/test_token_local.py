@@ -220,6 +220,20 @@ def m_partial_plus_scalar(m, h, logits, labels):  # exact: P + c needs the sum f
     return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + (h.pow(2).sum() + 1000.0).sqrt()
 
 
+def m_selection_sum_over_local_count(m, h, logits, labels):  # refused: a partial / this rank's count
+    sel = h[h.sum(-1) > 0]
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + sel.pow(2).sum() / sel.shape[0]
+
+
+def m_add_scalar_by_keyword(m, h, logits, labels):  # exact: torch.add(P, other=c) reduces first
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + torch.add(h.pow(2).sum(), other=100.0).sqrt()
+
+
+def m_int_cast_of_partial(m, h, logits, labels):  # exact: the cast waits for the sum
+    total = (h.detach().pow(2).sum() * 10).to(torch.int64)
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) * (1 + total.float() * 1e-6)
+
+
 CASES: dict[str, Callable] = {
     "where-top2-index-add": r_where_top2,
     "nonzero-top1-out-of-place": r_nonzero_top1_out_of_place,
@@ -242,11 +256,14 @@ MASKED = {
     "mean-of-mask-selected": m_mean_of_selected,
     "ce-of-label-mask": m_ce_of_label_mask,
     "partial-plus-scalar": m_partial_plus_scalar,
+    "selection-sum-over-local-count": m_selection_sum_over_local_count,
+    "add-scalar-by-keyword": m_add_scalar_by_keyword,
+    "int-cast-of-partial": m_int_cast_of_partial,
 }
 
 EXACT = ["where-top2-index-add", "nonzero-top1-out-of-place", "zeros-destination-in-place",
          "z-loss-over-routed", "where-2d-mask", "ce-of-mask-selected", "sum-over-mask-count",
-         "partial-plus-scalar"]
+         "partial-plus-scalar", "add-scalar-by-keyword", "int-cast-of-partial"]
 
 # Clear refusals: the op the AutospError must name.
 REFUSED = {
@@ -261,6 +278,7 @@ REFUSED = {
     "ce-of-label-mask": "cross_entropy",
     "positions-as-values": "remainder",
     "fill-reads-count": "full",
+    "selection-sum-over-local-count": "div",
 }
 
 

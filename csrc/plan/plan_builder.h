@@ -22,6 +22,11 @@ inline bool is_float(const std::string& dtype) {
   return dtype == "f32" || dtype == "f16" || dtype == "bf16" || dtype == "f64";
 }
 
+// Bits of a float dtype, 0 for any other.
+inline int float_bits(const std::string& dtype) {
+  return dtype == "f64" ? 64 : dtype == "f32" ? 32 : (dtype == "f16" || dtype == "bf16") ? 16 : 0;
+}
+
 class PlanBuilder {
  public:
   PlanBuilder(const Graph& in, const SpConfig& cfg)
@@ -140,6 +145,12 @@ class PlanBuilder {
     }
     return v;
   }
+
+  // Whether `n` reads this rank's count of a selection (attribute "unbacked"); the dim of a
+  // zeros/ones/empty output that many rows long, or -1; and the refusal of any other read.
+  bool reads_local_count(const Node& n) const;
+  int local_count_dim(const Node& n) const;
+  void refuse_count_as_number(const Node& n, const std::vector<int>& ins) const;
 
   // The rule result for a node that reads a token-local value or this rank's count of one;
   // nullopt when the node touches neither. Throws where the op would differ from one device.

@@ -47,44 +47,74 @@ void PlanBuilder::refuse_local_operands(const Node& n) const {
   }
 }
 
-std::optional<RuleResult> PlanBuilder::token_local(const Node& n, const std::vector<int>& ins) {
-  // This rank's count of selected tokens, read as a number: one device reads the count of the
-  // whole batch. Sizes of new tensors (views, zeros of that many rows) are fine: they list
-  // the same selection.
-  bool reads_count = false;
+namespace {
+
+// Ops whose symbolic arguments are sizes only (full / new_full also take a fill value, and
+// repeat's counts multiply rows: both could read the count as a number).
+const std::set<std::string>& size_ops() {
+  static const std::set<std::string> ops = {"reshape", "expand"};
+  return ops;
+}
+const std::set<std::string>& fill_ops() {
+  static const std::set<std::string> ops = {"zeros", "ones", "empty"};
+  return ops;
+}
+
+}  // namespace
+
+bool PlanBuilder::reads_local_count(const Node& n) const {
   const std::string symbols = n.str_attr("unbacked", "");
   for (size_t b = 0, e; b < symbols.size(); b = e + 1) {
     e = std::min(symbols.find(',', b), symbols.size());
-    reads_count = reads_count || local_counts_.count(symbols.substr(b, e - b)) != 0;
+    if (local_counts_.count(symbols.substr(b, e - b))) return true;
   }
+  return false;
+}
+
+int PlanBuilder::local_count_dim(const Node& n) const {
+  if (!fill_ops().count(n.op) || n.outputs.size() != 1) return -1;
+  const Value& out = in_.value(n.outputs[0]);
+  for (int d = 0; d < out.rank(); ++d) {
+    const Dim& size = out.shape[static_cast<size_t>(d)];
+    if (size.is_opaque() && local_counts_.count(size.opaque)) return d;
+  }
+  return -1;
+}
+
+void PlanBuilder::refuse_count_as_number(const Node& n, const std::vector<int>& ins) const {
+  // This rank's count of selected tokens, read as a number: one device reads the count of the
+  // whole batch. Sizes of new tensors (views, zeros of that many rows) are fine: they list
+  // the same selection. Checked before anything else (a partial sum divided by the count
+  // must not pass as a partial).
+  if (!reads_local_count(n)) return;
+  static const std::set<std::string> symbolic = {"nontensor", "sym_arith", "sym_size"};
   const bool local_in =
       std::any_of(ins.begin(), ins.end(), [&](int v) { return placement(v).is_local(); });
-  if (!reads_count && !local_in) return std::nullopt;
-  static const std::set<std::string> symbolic = {"nontensor", "sym_arith", "sym_size"};
-  // Ops whose symbolic arguments are sizes only (full / new_full also take a fill value, and
-  // repeat's counts multiply rows: both could read the count as a number).
-  static const std::set<std::string> sizes = {"reshape", "expand"};
-  static const std::set<std::string> fills = {"zeros", "ones", "empty"};
-  if (reads_count && !local_in && fills.count(n.op) && n.outputs.size() == 1) {
-    const Value& out = in_.value(n.outputs[0]);
-    for (int d = 0; d < out.rank(); ++d)
-      if (out.shape[static_cast<size_t>(d)].is_opaque() &&
-          local_counts_.count(out.shape[static_cast<size_t>(d)].opaque)) {
-        RuleResult res;
-        res.out = {Placement::local(d)};
-        res.operands.assign(ins.size(), OperandChange::keep());
-        return res;
-      }
+  if (symbolic.count(n.op) || (local_in && size_ops().count(n.op)) ||
+      (!local_in && local_count_dim(n) >= 0))
+    return;
+  throw PlanError(kPass, n,
+                  "an argument that depends on the number of tokens torch.where selected (" +
+                      n.str_attr("unbacked", "") +
+                      "), which on this rank counts its own tokens only",
+                  "that count used only as the size of the selection",
+                  "One device counts the tokens of the whole batch: a mean over the selected "
+                  "tokens must be a sum over them divided by a count from the full mask "
+                  "(mask.sum()).");
+}
+
+std::optional<RuleResult> PlanBuilder::token_local(const Node& n, const std::vector<int>& ins) {
+  const bool local_in =
+      std::any_of(ins.begin(), ins.end(), [&](int v) { return placement(v).is_local(); });
+  if (!local_in) {
+    // zeros / ones / empty with this rank's count of rows: a local value of that selection.
+    const int d = reads_local_count(n) ? local_count_dim(n) : -1;
+    if (d < 0) return std::nullopt;
+    RuleResult res;
+    res.out = {Placement::local(d)};
+    res.operands.assign(ins.size(), OperandChange::keep());
+    return res;
   }
-  if (reads_count && !symbolic.count(n.op) && !(local_in && sizes.count(n.op)))
-    throw PlanError(kPass, n,
-                    "an argument that depends on the number of tokens torch.where selected (" +
-                        symbols + "), which on this rank counts its own tokens only",
-                    "that count used only as the size of the selection",
-                    "One device counts the tokens of the whole batch: a mean over the selected "
-                    "tokens must be a sum over them divided by a count from the full mask "
-                    "(mask.sum()).");
-  if (!local_in) return std::nullopt;
   Graph& g = scratch_graph(n, ins);
   RuleInput r{g, g.nodes.back(), placements_of(ins), cfg_.sp_size};
   return local_rule(r);

@@ -359,7 +359,12 @@ bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
     case PartialBehaviour::Scale:
       return partial == 1 && (n.op != "div" || first_partial == 0);
     case PartialBehaviour::Unary:
-      return tensors == 1;
+      // A cast of a summand to an integer or narrower float truncates or rounds each rank's
+      // summand: it needs the sum first.
+      return tensors == 1 &&
+             (n.op != "to" || n.outputs.size() != 1 ||
+              float_bits(in_.value(n.outputs[0]).dtype) >=
+                  std::max(1, float_bits(val(ins[static_cast<size_t>(first_partial)]).dtype)));
     case PartialBehaviour::Reduce:
       return false;
   }
@@ -369,6 +374,7 @@ bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
 void PlanBuilder::emit_generic(const Node& n) {
   std::vector<int> ins = mapped_inputs(n);
   const OpRule* rule = rule_for(n);
+  refuse_count_as_number(n, ins);
   if (rule && partial_passes(*rule, n, ins)) {
     std::vector<Placement> outs(n.outputs.size(), Placement::partial());
     std::vector<OperandChange> keep(ins.size(), OperandChange::keep());

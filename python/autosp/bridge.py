@@ -297,9 +297,10 @@ class _Converter:
             attrs = dict(attrs, refs=refs)
         if _is_inplace(node):
             attrs = dict(attrs, inplace=True)
+        operands = [*node.args, *(v for k, v in node.kwargs.items() if k != "alpha")]
         if any(isinstance(_example(a) if isinstance(a, fx.Node) else a,
                           (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(a, bool)
-               for a in node.args):
+               for a in operands):
             # x + 1: the core must not add the scalar on every rank to a partial sum.
             attrs = dict(attrs, scalar_operand=True)
         unbacked = _unbacked_symbols(node)
