@@ -57,6 +57,22 @@ def test_where_of_a_condition_alone_is_nonzero_not_pointwise() -> None:
     assert op == "where" and is_pointwise(op)
 
 
+def test_masked_reductions_are_not_their_plain_namesakes() -> None:
+    """torch.masked.mean(x, mask=m) averages over the mask, not over x: it must not take
+    mean's rule (which rewrote it into a sum with a mask keyword that torch.sum rejects)."""
+    from autosp.canon import canonicalize
+
+    g = torch.fx.Graph()
+    x, m = g.placeholder("x"), g.placeholder("m")
+    x.meta["example_value"] = torch.ones(2, 4)
+    m.meta["example_value"] = torch.ones(2, 4, dtype=torch.bool)
+    calls = [g.call_function(torch.masked.mean, (x,), {"mask": m}), g.call_function(torch.mean, (x,))]
+    for n in calls:
+        n.meta["example_value"] = torch.ones(())
+    ops = [canonicalize(n)[0] for n in calls]
+    assert ops == ["masked_mean", "mean"], ops
+
+
 @pytest.mark.parametrize("name", sorted(UNTAGGED_POINTWISE))
 def test_untagged_pointwise_functions_are_elementwise(name: str) -> None:
     # Each entry of the hand-kept supplement computes every element from the same element

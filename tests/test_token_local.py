@@ -234,6 +234,11 @@ def m_int_cast_of_partial(m, h, logits, labels):  # exact: the cast waits for th
     return F.cross_entropy(logits.view(-1, V), labels.view(-1)) * (1 + total.float() * 1e-6)
 
 
+def m_masked_mean(m, h, logits, labels):  # refused: torch.masked.mean is not mean
+    keep = (h.sum(-1) > 0)[..., None].expand_as(h)
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + torch.masked.mean(h.pow(2), mask=keep)
+
+
 CASES: dict[str, Callable] = {
     "where-top2-index-add": r_where_top2,
     "nonzero-top1-out-of-place": r_nonzero_top1_out_of_place,
@@ -259,6 +264,7 @@ MASKED = {
     "selection-sum-over-local-count": m_selection_sum_over_local_count,
     "add-scalar-by-keyword": m_add_scalar_by_keyword,
     "int-cast-of-partial": m_int_cast_of_partial,
+    "masked-mean": m_masked_mean,
 }
 
 EXACT = ["where-top2-index-add", "nonzero-top1-out-of-place", "zeros-destination-in-place",
@@ -279,6 +285,7 @@ REFUSED = {
     "positions-as-values": "remainder",
     "fill-reads-count": "full",
     "selection-sum-over-local-count": "div",
+    "masked-mean": "masked_mean",
 }
 
 

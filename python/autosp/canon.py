@@ -61,6 +61,9 @@ def _target_name(node: fx.Node) -> str:
         name = t
     else:
         name = getattr(t, "__name__", None) or str(t)
+        if (getattr(t, "__module__", None) or "").startswith("torch.masked"):
+            # torch.masked.mean(x, mask=m) is not mean(x): its own name, no rule of mean's.
+            return "masked_" + name
     if name.endswith("_") and not name.startswith("_") and name not in ("and_", "or_"):
         name = name[:-1]  # in-place variants
     return name
