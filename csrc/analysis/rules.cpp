@@ -18,8 +18,9 @@ const std::map<std::string, OpRule>& registry() {
     for (const char* op : {"add", "sub", "rsub"})
       m[op] = {rule_elementwise, PartialBehaviour::Additive};
     for (const char* op : {"mul", "div"}) m[op] = {rule_elementwise, PartialBehaviour::Scale};
-    for (const char* op : {"neg", "to", "contiguous", "clone"})
+    for (const char* op : {"neg", "contiguous", "clone"})
       m[op] = {rule_elementwise, PartialBehaviour::Unary};
+    m["to"] = {rule_elementwise, PartialBehaviour::Cast};
     // Elementwise ops PyTorch does not tag pointwise (every tagged one arrives with the
     // node attribute "pointwise" and takes the pointwise rule, see rule_for).
     for (const char* op : {"fill_like", "detach"})

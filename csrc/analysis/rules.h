@@ -59,7 +59,9 @@ enum class PartialBehaviour {
   Reduce,    // reduce every partial operand first (the conservative default)
   Additive,  // add/sub: all tensor operands partial -> partial
   Scale,     // mul/div: one partial operand (the numerator for div), the rest replicate
-  Unary,     // linear in its only tensor operand: neg, casts, sum, mean, views
+  Unary,     // linear in its only tensor operand: neg, sum, mean, views
+  Cast,      // a cast: linear while it does not narrow (float to an equal or wider float);
+             // to an integer or narrower float it would truncate/round each rank's summand
 };
 
 struct OpRule {

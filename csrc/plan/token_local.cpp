@@ -9,6 +9,21 @@
 
 namespace autosp::plan_detail {
 
+namespace {
+
+// Ops whose symbolic arguments are sizes only (full / new_full also take a fill value, and
+// repeat's counts multiply rows: both could read the count as a number).
+const std::set<std::string>& size_ops() {
+  static const std::set<std::string> ops = {"reshape", "expand"};
+  return ops;
+}
+const std::set<std::string>& fill_ops() {
+  static const std::set<std::string> ops = {"zeros", "ones", "empty"};
+  return ops;
+}
+
+}  // namespace
+
 void PlanBuilder::note_local_count(const Node& n, const std::vector<int>& mapped_inputs,
                                    const Dim& count) {
   if (!count.is_opaque()) return;
@@ -24,9 +39,10 @@ void PlanBuilder::note_local_count(const Node& n, const std::vector<int>& mapped
 }
 
 bool PlanBuilder::fresh_fill(const Node& n, int value) const {
-  static const std::set<std::string> fills = {"zeros", "ones", "empty", "full", "new_full"};
   const int p = in_.producer(value);
-  if (p < 0 || !fills.count(in_.nodes[static_cast<size_t>(p)].op)) return false;
+  if (p < 0) return false;
+  const std::string& op = in_.nodes[static_cast<size_t>(p)].op;
+  if (!fill_ops().count(op) && op != "full" && op != "new_full") return false;
   int readers = 0;
   for (const Node& m : in_.nodes)
     readers += static_cast<int>(std::count(m.inputs.begin(), m.inputs.end(), value));
@@ -46,21 +62,6 @@ void PlanBuilder::refuse_local_operands(const Node& n) const {
         "Write the routed rows back into the token dim (index_add_) first.");
   }
 }
-
-namespace {
-
-// Ops whose symbolic arguments are sizes only (full / new_full also take a fill value, and
-// repeat's counts multiply rows: both could read the count as a number).
-const std::set<std::string>& size_ops() {
-  static const std::set<std::string> ops = {"reshape", "expand"};
-  return ops;
-}
-const std::set<std::string>& fill_ops() {
-  static const std::set<std::string> ops = {"zeros", "ones", "empty"};
-  return ops;
-}
-
-}  // namespace
 
 bool PlanBuilder::reads_local_count(const Node& n) const {
   const std::string symbols = n.str_attr("unbacked", "");

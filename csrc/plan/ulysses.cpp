@@ -359,12 +359,11 @@ bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
     case PartialBehaviour::Scale:
       return partial == 1 && (n.op != "div" || first_partial == 0);
     case PartialBehaviour::Unary:
-      // A cast of a summand to an integer or narrower float truncates or rounds each rank's
-      // summand: it needs the sum first.
-      return tensors == 1 &&
-             (n.op != "to" || n.outputs.size() != 1 ||
-              float_bits(in_.value(n.outputs[0]).dtype) >=
-                  std::max(1, float_bits(val(ins[static_cast<size_t>(first_partial)]).dtype)));
+      return tensors == 1;
+    case PartialBehaviour::Cast:
+      return tensors == 1 && n.outputs.size() == 1 &&
+             float_bits(in_.value(n.outputs[0]).dtype) >=
+                 std::max(1, float_bits(val(ins[static_cast<size_t>(first_partial)]).dtype));
     case PartialBehaviour::Reduce:
       return false;
   }
