@@ -217,6 +217,7 @@ class ZooResult:
     grad_err: float | None = None
     worst_param: str | None = None
     all_to_all: int | None = None
+    gathered: int | None = None  # ops run on the all-gathered sequence (unsupported="gather")
     seconds: float | None = None
 
 
@@ -380,6 +381,10 @@ def _zoo_worker(rank: int, world_size: int, archs: list[tuple[str, str]], seq_le
                     compiled.last_compile.collective_counts.get("sp.all_to_all", 0))
             except Exception:  # noqa: BLE001
                 rec["all_to_all"] = None
+            rec["gathered"] = len(compiled.gathered)
+            if compiled.gathered:
+                # "[autosp:pass] op 'pad' (F.pad) at file.py:282  code: found ..." -> op and line
+                rec["gathered_first"] = compiled.gathered[0].split("] ", 1)[-1].split("  ")[0][:160]
             exact = loss_err <= LOSS_ATOL and worst[0] <= GRAD_RTOL
             rec["outcome"] = "exact" if exact else "mismatch"
             if not exact:
@@ -450,10 +455,17 @@ def _merge(arch: str, class_name: str, recs: list[dict], world_size: int) -> Zoo
                     grad_err=max((r.get("grad_err") or 0.0) for r in recs)
                     if all("grad_err" in r for r in recs) else None,
                     worst_param=worst.get("worst_param"),
-                    all_to_all=worst.get("all_to_all"),
+                    all_to_all=worst.get("all_to_all"), gathered=worst.get("gathered"),
                     seconds=max(r.get("seconds", 0.0) for r in recs))
-    if outcome == "exact" and not res.all_to_all:
-        res.detail = "exact, but no all-to-all in the plan (attention not parallelised)"
+    if outcome == "exact":
+        notes = []
+        if res.gathered:
+            notes.append(f"{res.gathered} ops on the gathered sequence, first at "
+                         f"{worst.get('gathered_first', '?')}")
+        if not res.all_to_all:
+            notes.append("no all-to-all in the plan (no attention parallelised)")
+        if notes:
+            res.detail = "exact, but " + "; ".join(notes)
     if outcome == "crash" and "traceback" in worst:
         res.detail += "\n" + worst["traceback"]
     return res

@@ -38,6 +38,9 @@ class Style:
     inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
     loss_atol: float = 1e-5
     grad_rtol: float = 1e-4
+    # Runs ops without a sequence-parallel form on the gathered sequence (unsupported="gather");
+    # every other style must compile with nothing gathered.
+    gathers: bool = False
 
 
 def ids_labels(seed: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -523,6 +526,61 @@ class CumsumMixerLM(DecoderLM):
         return F.cross_entropy(logits.view(-1, VOCAB), shift_labels.reshape(-1))
 
 
+# A Mamba-2-style hybrid, written as the reference "SSD minimal" code is: the sequence is
+# padded to a multiple of the chunk size, each chunk is scanned in closed form, and a state
+# is carried across chunks (segment sums over the chunk dim). Its F.pad of the sequence has no
+# sequence-parallel form: autosp gathers the mixer's inputs and runs the scan on the whole
+# sequence on every rank (unsupported="gather"); the attention blocks stay sharded.
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T, T]: out[..., i, j] = x[..., j+1] + ... + x[..., i], -inf above."""
+    T = x.size(-1)
+    x = x[..., None].expand(*x.shape, T)
+    x = x.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), -1), 0)
+    out = torch.cumsum(x, dim=-2)
+    return out.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device)), -torch.inf)
+
+
+class ChunkedSSD(nn.Module):
+    def __init__(self, dim: int = HIDDEN, heads: int = HEADS, state: int = 4, chunk: int = 6) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.state, self.chunk = heads, dim // heads, state, chunk
+        self.in_proj = nn.Linear(dim, dim + 2 * state + heads)
+        self.A_log = nn.Parameter(torch.linspace(0.0, 1.0, heads))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, u: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, D = u.shape
+        H, P, N, L = self.heads, self.head_dim, self.state, self.chunk
+        x, Bm, Cm, dt = torch.split(self.in_proj(u), [D, N, N, H], dim=-1)
+        dt = F.softplus(dt)
+        A = -torch.exp(self.A_log) * dt                                   # [B, S, H]
+        x = (x * dt.repeat_interleave(P, dim=-1)).view(B, S, H, P)
+        pad = (L - S % L) % L
+        x, A, Bm, Cm = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, A, Bm, Cm))
+        x = x.reshape(B, -1, L, H, P)
+        A = A.reshape(B, -1, L, H).permute(0, 3, 1, 2)                   # [B, H, C, L]
+        Bm, Cm = Bm.reshape(B, -1, L, N), Cm.reshape(B, -1, L, N)
+        A_cum = torch.cumsum(A, dim=-1)
+        Ld = torch.exp(segment_sum(A))                                      # within chunks
+        y_diag = torch.einsum("bcln,bcsn,bhcls,bcshp->bclhp", Cm, Bm, Ld, x)
+        decay = torch.exp(A_cum[..., -1:] - A_cum)
+        states = torch.einsum("bcln,bhcl,bclhp->bchpn", Bm, decay, x)
+        states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+        chunk_decay = torch.exp(segment_sum(F.pad(A_cum[..., -1], (1, 0))))  # across chunks
+        states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)[:, :-1]
+        y_off = torch.einsum("bcln,bchpn,bhcl->bclhp", Cm, states, torch.exp(A_cum))
+        y = (y_diag + y_off).reshape(B, -1, H * P)[:, :S]
+        return self.out_proj(y)
+
+
+class MambaHybridLM(DecoderLM):
+    def __init__(self) -> None:
+        super().__init__(n_layers=1)
+        self.blocks.insert(0, PreNormBlock(ChunkedSSD(), GeluMLP()))
+
+
 # ======================================================================================
 # 6. Small MoE (Mixtral-like): router, softmax, top-k, per-expert gather by index,
 # index_add back, Switch-style load-balancing auxiliary loss added to CE.
@@ -829,7 +887,8 @@ EXTRA: list[Style] = [
     Style("sinusoidal-transposed-ce-smoothing", lambda: SinusoidalTransposedCELM(n_layers=1),
           ids_labels),
     Style("softcap-zloss", lambda: ZLossSoftcapLM(n_layers=1), ids_labels),
-    Style("nn-multihead-attention", lambda: MHAModuleLM(), ids_labels),
+    Style("nn-multihead-attention", lambda: MHAModuleLM(), ids_labels, gathers=True),
+    Style("mamba2-chunked-ssd-hybrid", lambda: MambaHybridLM(), ids_labels, gathers=True),
     Style("causal-conv1d-mixer", lambda: CausalConvLM(), ids_labels),
     Style("conv1d-same-dilated", lambda: SameConvLM(), ids_labels),
     Style("shift-inside-multi-token", lambda: MultiTokenShiftLM(), ids_labels),
@@ -889,22 +948,25 @@ def run_case(name: str, build: Callable[[], nn.Module],
              inputs: Callable[[int, int], tuple], world_size: int, seq_len: int, *,
              model_seed: int = 1234, batch_seeds: tuple[int, ...] = (11, 12),
              loss_atol: float = 1e-5, grad_rtol: float = 1e-4, mesh=None,
-             backend: str = "aot_eager", remat: str = "none") -> dict:
+             backend: str = "aot_eager", remat: str = "none", unsupported: str = "gather") -> dict:
     """Builds the model (same weights on every rank), compiles it for SP (aot_eager, no
     remat, unless told otherwise) and runs ``len(batch_seeds)`` steps against the single-device model.
 
     Returns ``{"name", "outcome", "detail", ...}``: outcome ``exact``; ``autosp_error``
     (an AutospError, message in detail); ``mismatch`` (ran, but the loss or a gradient
     differs: the worst bug); ``crash`` (any other exception, type and message in detail).
+    ``gathered``: the ops run on the gathered sequence (see autosp.compile's ``unsupported``).
     """
     import traceback
+    import warnings
 
     import autosp
     from distributed import grads_of, relative_grad_errors
 
     allow_flex_backward_on_cpu()
     torch._dynamo.reset()
-    result: dict = {"name": name, "outcome": EXACT, "detail": "", "steps": []}
+    result: dict = {"name": name, "outcome": EXACT, "detail": "", "steps": [], "gathered": [],
+                    "gather_warnings": []}
     try:
         if mesh is None:
             mesh = autosp.init_mesh(world_size)
@@ -912,13 +974,19 @@ def run_case(name: str, build: Callable[[], nn.Module],
             torch.manual_seed(model_seed)
             model = build()
         ref_model = __import__("copy").deepcopy(model)
-        compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=backend)
+        compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=backend,
+                                  unsupported=unsupported)
         for step, seed in enumerate(batch_seeds):
             args = inputs(seed, seq_len)
             ref_loss, ref_grads = _ref_loss_and_grads(ref_model, args)
             model.zero_grad(set_to_none=True)
-            loss = compiled(*args)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always", autosp.AutospGatherWarning)
+                loss = compiled(*args)
+            result["gather_warnings"] = result.get("gather_warnings", []) + [
+                str(w.message) for w in seen if issubclass(w.category, autosp.AutospGatherWarning)]
             loss.backward()
+            result["gathered"] = compiled.gathered
             errs = relative_grad_errors(grads_of(model), ref_grads)
             bad = {k: v for k, v in errs.items() if not v <= grad_rtol}
             loss_diff = abs(loss.item() - ref_loss)

@@ -41,6 +41,9 @@ def test_bad_arguments() -> None:
     with pytest.raises(autosp.AutospError, match=r"found outputs='gathered'; expected one of "
                                                  r"\('full', 'local'\)"):
         autosp.compile(_model(), mesh=None, outputs="gathered")  # type: ignore[arg-type]
+    with pytest.raises(autosp.AutospError, match=r"found unsupported='skip'; expected one of "
+                                                 r"\('gather', 'error'\)"):
+        autosp.compile(_model(), mesh=None, unsupported="skip")  # type: ignore[arg-type]
     with pytest.raises(autosp.AutospError, match=r"\[autosp:init_mesh\] found torch.distributed not initialised"):
         autosp.init_mesh(2)
 

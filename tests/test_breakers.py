@@ -179,6 +179,37 @@ def _sdpa_bias_hss(m, q, k, v, ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
+def _setitem_features(h):
+    h = h * 1
+    h[..., :4] = 0.0
+    return h
+
+
+def _write_through_seq_view(h):
+    h = h * 1
+    h[:, 3:7].mul_(2)
+    return h
+
+
+def _write_base_after_view(h):
+    h2 = h * 1
+    view = h2[:, 3:7]
+    h2.mul_(2)
+    return h2, (view * view).sum() * 0.01
+
+
+def _mask_from_values(m, q, k, v, ids):
+    bias = v.mean((1, 3))[:, None, None, :]  # [B, 1, 1, S] from sharded values: gathered
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def _mask_from_param(m, q, k, v, ids):
+    S = q.size(2)
+    w = m.head.weight
+    bias = (w @ w.T)[:S, :S][None, None] * 0.1  # replicated, needs a gradient, no heads dim
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
 def _complex_rope(m, h, ids):
     B, S = ids.shape
     pos = torch.arange(S, dtype=torch.float32)
@@ -276,7 +307,8 @@ CASES: dict[str, Case] = {
     "scan-s-not-divisible": Case(_lm(lambda m, h, ids: h + h.cumsum(1) / _pos(h)), seqs=(17,)),
     # ---- sp.combine -------------------------------------------------------------------
     "combine-max-dim-values": Case(_lm(lambda m, h, ids: (h, h.max(dim=1).values.sum()))),
-    "combine-max-dim-keepdim-getitem": Case(_lm(lambda m, h, ids: h - h.max(1, keepdim=True)[0])),
+    # (0.5: h - max(h) has a mathematically zero proj.bias gradient, compared as noise.)
+    "combine-max-dim-keepdim-getitem": Case(_lm(lambda m, h, ids: h - 0.5 * h.max(1, keepdim=True)[0])),
     "combine-argmax": Case(_lm(lambda m, h, ids: (h, h.argmax(1).float().sum()))),
     "combine-amax-ties-across-ranks": Case(_lm(_tie_body("amax"), _ones_param), ids_fn=_repeat_token),
     "combine-max-all-ties-across-ranks": Case(_lm(_tie_body("max"), _ones_param), ids_fn=_repeat_token),
@@ -351,6 +383,16 @@ CASES: dict[str, Case] = {
         lambda m, h, ids: h + torch.arange(h.numel()).float().reshape_as(h) * 1e-3)),
     "size-view-as-replicated": Case(_lm(
         lambda m, h, ids: h + m.pe[: ids.size(1)].expand(ids.size(0), -1, -1).contiguous().view_as(h))),
+    # ---- the gather fallback (found by a breaker review; all silently wrong at first) ------
+    # A write into a sharded tensor, or through a view of it, must not land in a gathered copy.
+    "gather-setitem-features": Case(_lm(lambda m, h, ids: _setitem_features(h))),
+    "gather-write-through-seq-view": Case(_lm(lambda m, h, ids: _write_through_seq_view(h))),
+    "gather-write-base-after-view": Case(_lm(lambda m, h, ids: _write_base_after_view(h))),
+    # A mask the whole of which every rank uses for its own heads: its gradient is summed.
+    "gather-sdpa-mask-from-values": Case(_attn(_mask_from_values)),
+    "sdpa-mask-from-param": Case(_attn(_mask_from_param)),
+    # outputs="local": a value computed on the gathered sequence is returned as a chunk too.
+    "gather-output-local": Case(_lm(lambda m, h, ids: (h, None, h.flip(1))), outputs="local"),
     # ---- einsum / scatter / gather / index / one_hot / complex --------------------------
     "einsum-linear": Case(_lm(lambda m, h, ids: torch.einsum("bsd,de->bse", h, m.proj.weight))),
     "einsum-contract-s": Case(_lm(lambda m, h, ids: (h, torch.einsum("bsd,bse->de", h, h).sum() * 1e-3))),
@@ -429,14 +471,15 @@ def _split(out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
 
-def run_case(name: str, world: int, rank: int, mesh: Any) -> dict:
+def run_case(name: str, world: int, rank: int, mesh: Any, unsupported: str = "gather") -> dict:
     import autosp
     import torch.nn.attention.flex_attention as fa
 
     fa._validate_device = lambda query, key, value: None  # flex backward on CPU
     case = CASES[name]
     torch._dynamo.reset()
-    res: dict = {"name": name, "outcome": EXACT, "detail": ""}
+    res: dict = {"name": name if unsupported == "gather" else f"{name}[{unsupported}]",
+                 "outcome": EXACT, "detail": "", "gathered": []}
     try:
         torch.manual_seed(1234)
         model = case.build()
@@ -444,7 +487,7 @@ def run_case(name: str, world: int, rank: int, mesh: Any) -> dict:
             model.eval()
         ref = copy.deepcopy(model)
         compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat=case.remat,
-                                  outputs=case.outputs)
+                                  outputs=case.outputs, unsupported=unsupported)
         for step, seq in enumerate(case.seqs if world == 2 else (8 * world,)):
             ids, labels = _inputs(case, seq, step)
             ref.zero_grad(set_to_none=True)
@@ -467,6 +510,7 @@ def run_case(name: str, world: int, rank: int, mesh: Any) -> dict:
             torch.manual_seed(100 + step)
             loss, extra = _split(compiled(ids, labels))
             loss.backward()
+            res["gathered"] = compiled.gathered
             problems = []
             if not abs(loss.item() - ref_loss.item()) <= case.loss_atol:
                 problems.append(f"loss {loss.item()!r} vs {ref_loss.item()!r}")
@@ -512,7 +556,12 @@ def _worker(rank: int, world: int, names: list[str]) -> list[dict]:
     warnings.filterwarnings("ignore")
     torch._dynamo.config.cache_size_limit = 64
     mesh = autosp.init_mesh(world)
-    return [run_case(n, world, rank, mesh) for n in names]
+    out = []
+    for n in names:
+        out.append(run_case(n, world, rank, mesh))
+        if n in GATHERED and world == 2:  # and the refusal it replaces
+            out.append(run_case(n, world, rank, mesh, unsupported="error"))
+    return out
 
 
 @functools.cache
@@ -553,6 +602,23 @@ REFUSED = {
     "scatter-add-s": "the op moves values along the sharded dim 1",
     "flex-score-mod-h": "a score_mod or mask_mod that reads the head index h",
     "flex-mask-mod-h": "a score_mod or mask_mod that reads the head index h",
+    "gather-setitem-features": "no rule for 'setitem' on a sequence-sharded tensor",
+    "gather-write-through-seq-view": "indexed or sliced along the sharded sequence dim 1",
+    "gather-write-base-after-view": "indexed or sliced along the sharded sequence dim 1",
+    "gather-sdpa-mask-from-values": "found an attention mask placed S(3)",
+    "gather-output-local": "no rule for 'flip' on a sequence-sharded tensor",
+}
+
+# Refusals (above) that are exact by default: the op runs on the gathered sequence
+# (autosp.compile's unsupported="gather"); with unsupported="error" each is still refused with
+# its text. Strict: a case that gathers without being listed fails, and one listed that stops
+# gathering must be removed.
+GATHERED = {
+    "scan-cummax", "scan-cummin", "scan-merged-bs", "combine-max-dim-values",
+    "combine-max-dim-keepdim-getitem", "combine-argmax", "combine-std", "combine-norm",
+    "rand-bernoulli", "rand-rrelu", "rand-alpha-dropout", "scan-reverse-flip", "gather-along-s",
+    "index-select-s", "scatter-add-s", "einsum-ellipsis", "einsum-attention",
+    "gather-sdpa-mask-from-values", "gather-output-local",
 }
 
 # Cases where one device refuses the batch too: every rank must fail alike, with this text.
@@ -588,7 +654,9 @@ DEFAULT = set(BROKEN) | {
     "combine-prod-zeros", "combine-logsumexp-12", "rand-dropout-module", "rand-dropout-merged-bs",
     "rand-dropout-replicated-buffer", "rand-bernoulli", "size-mean-by-shape", "size-view-star-shape",
     "einsum-contract-s", "gather-token-logprob", "ids-negative", "flex-causal-gqa-kv1",
-    "flex-score-mod-h", "pw-clamp-tensor-bounds",
+    "flex-score-mod-h", "pw-clamp-tensor-bounds", "gather-setitem-features",
+    "gather-write-through-seq-view", "gather-write-base-after-view", "gather-sdpa-mask-from-values",
+    "sdpa-mask-from-param", "gather-output-local",
 }
 
 
@@ -603,7 +671,13 @@ def _check(world: int, name: str) -> None:
     for rank, res in enumerate(results(world, world == 2 and name not in DEFAULT)):
         r = res[name]
         where = f"{name} rank {rank} of {world}: {r['outcome']}: {r['detail'][:1500]}"
-        if name in REFUSED:
+        if name in GATHERED:
+            assert r["outcome"] == EXACT and r["gathered"], where + f" gathered={r['gathered']}"
+            if world == 2:
+                strict = res[f"{name}[error]"]
+                assert strict["outcome"] == AUTOSP_ERROR, f"{name}[error]: {strict}"
+                assert REFUSED[name] in strict["detail"], f"{name}[error]: {strict['detail']}"
+        elif name in REFUSED:
             assert r["outcome"] == AUTOSP_ERROR, where
             assert REFUSED[name] in r["detail"], where
         elif name in FAIL_LIKE_ONE_DEVICE:
@@ -611,6 +685,7 @@ def _check(world: int, name: str) -> None:
             assert FAIL_LIKE_ONE_DEVICE[name] in r["detail"], where
         else:
             assert r["outcome"] == EXACT, where
+            assert not r["gathered"], f"{where}: ops run on the gathered sequence: {r['gathered']}"
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CASES])

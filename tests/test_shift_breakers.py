@@ -512,7 +512,8 @@ def build(name: str) -> nn.Module:
 
 def run_one(name: str, world_size: int, seq_len: int, mesh=None, **kw) -> dict:
     _, _, _, inputs, loss_atol, grad_rtol = _spec(name)
-    return styles.run_case(name, functools.partial(build, name), inputs, world_size, seq_len,
+    label = name if kw.get("unsupported", "gather") == "gather" else f"{name}[{kw['unsupported']}]"
+    return styles.run_case(label, functools.partial(build, name), inputs, world_size, seq_len,
                            mesh=mesh, loss_atol=loss_atol, grad_rtol=grad_rtol, **kw)
 
 
@@ -523,7 +524,12 @@ def _worker(rank: int, world_size: int, names: list[str], seq_len: int) -> list[
 
     warnings.filterwarnings("ignore")
     mesh = autosp.init_mesh(world_size)
-    return [run_one(n, world_size, seq_len, mesh=mesh) for n in names]
+    out = []
+    for n in names:
+        out.append(run_one(n, world_size, seq_len, mesh=mesh))
+        if n in GATHERED:
+            out.append(run_one(n, world_size, seq_len, mesh=mesh, unsupported="error"))
+    return out
 
 
 # ======================================================================================
@@ -545,6 +551,11 @@ REFUSED = {
     "shift-dropout": "dropout",
     "shift-setitem": "setitem",
     "conv-after-shift": "conv1d",
+}
+
+# Exact by default with the op on the gathered sequence (unsupported="gather"); refused at
+# that op with unsupported="error" (run as "<name>[error]").
+GATHERED = {
     "conv-pad-too-wide": "conv1d",
     "conv-stride2": "conv1d",
     "conv-fpad-causal": "pad",
@@ -557,7 +568,7 @@ EXACT = [
 
 # The default run, in this order: conv-empty-last-rank must stay last (its ranks fail at
 # different places, so a case after it could meet unmatched collectives).
-DEFAULT = EXACT + list(REFUSED) + ["conv-empty-last-rank"]
+DEFAULT = EXACT + list(REFUSED) + list(GATHERED) + ["conv-empty-last-rank"]
 SLOW = [n for n in CASES if n not in DEFAULT and n not in ("shift-nll", "shift-mse", "shift-diff",
                                                           "conv-circular")]
 SLOW_REFUSED = {"shift-nll": "nll_loss", "shift-mse": "mse_loss", "shift-diff": "diff",
@@ -595,14 +606,22 @@ def test_conv_leaving_the_last_rank_no_output_fails_alike_on_every_rank() -> Non
         assert "so that every rank has an output" in r["detail"], r["detail"]
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_shift_gathered_exact(name: str) -> None:
+    _raise_outcome("default", name)
+    for rank, res in enumerate(results("default")):
+        assert res[name]["gathered"], f"rank {rank}: {name} gathered nothing"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED) + [f"{n}[error]" for n in sorted(GATHERED)])
 def test_shift_refused_clearly(name: str) -> None:
     import autosp
 
     with pytest.raises(autosp.AutospError) as info:
         _raise_outcome("default", name)
     message = str(info.value)
-    assert f"op '{REFUSED[name]}'" in message, message
+    op = REFUSED.get(name) or GATHERED[name.removesuffix("[error]")]
+    assert f"op '{op}'" in message, message
     assert "test_shift_breakers.py:" in message, f"the refusal does not name the source line: {message}"
 
 

@@ -4,7 +4,9 @@ models autosp cannot make exact. Real Gloo groups at world 2."""
 
 from __future__ import annotations
 
+import copy
 import operator
+import warnings
 from typing import Any
 
 import pytest
@@ -187,12 +189,24 @@ def _errors_worker(rank: int, world: int) -> dict[str, str]:
     }
     for name, (model, args) in cases.items():
         try:
-            autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")(*args)
+            autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none",
+                           unsupported="error")(*args)
             out[name] = "no error"
         except autosp.AutospError as e:
             out[name] = f"AutospError: {e}"
         except Exception as e:  # noqa: BLE001 - the test reports what was raised instead
             out[name] = f"{type(e).__name__}: {e}"
+    # By default the hand-written attention runs on the gathered sequence: exact, and said.
+    torch.manual_seed(0)
+    model = HandWrittenAttention()
+    ref_loss = copy.deepcopy(model)(ids)
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss = compiled(ids)
+    warned = [str(w.message) for w in seen if issubclass(w.category, autosp.AutospGatherWarning)]
+    out["attention_gathered"] = (f"{loss.item():.6f} vs {ref_loss.item():.6f}; "
+                                 f"{len(compiled.gathered)} gathered; {len(warned)} warnings")
     torch.manual_seed(0)
     model = InPlaceOnPositions()
     ref = InPlaceOnPositions()
@@ -217,6 +231,11 @@ def test_errors_name_pass_op_line_and_numbers() -> None:
     assert msg.startswith("AutospError: [autosp:placement] op 'matmul'"), msg
     assert f"{here}:{_line_of('# ATTN_LINE')}" in msg, msg
     assert "scaled_dot_product_attention" in msg and "found" in msg and "expected" in msg, msg
+
+    losses, gathered, warned = out["attention_gathered"].split("; ")
+    got, want = losses.split(" vs ")
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), out["attention_gathered"]
+    assert gathered != "0 gathered" and warned == "1 warnings", out["attention_gathered"]
 
     msg = out["along_s"]  # (a cumsum along S is exact now: tests/test_cross_rank.py)
     assert msg.startswith("AutospError: [autosp:placement] op 'softmax'"), msg

@@ -36,8 +36,14 @@ XFAIL: dict[str, str] = {}
 # Styles Ulysses cannot run exactly as written: a clear refusal naming the op is the
 # expected outcome.
 REFUSED = {
-    "nn-multihead-attention": "multi_head_attention_forward",
     "shift-before-attention": "sdpa",
+}
+
+# Styles with an op that has no sequence-parallel form: exact by default, that op running on
+# the gathered sequence; with unsupported="error" refused at that op (run as "<name>[error]").
+STRICT_REFUSED = {
+    "nn-multihead-attention": "multi_head_attention_forward",
+    "mamba2-chunked-ssd-hybrid": "pad",
 }
 
 WORLD4 = [s.name for s in styles.LISTED]
@@ -64,6 +70,9 @@ def _styles_worker(rank: int, world_size: int, names: list[str], seq_len: int) -
         st = styles.ALL[name]
         out.append(styles.run_case(name, st.build, st.inputs, world_size, seq_len, mesh=mesh,
                                    loss_atol=st.loss_atol, grad_rtol=st.grad_rtol))
+        if name in STRICT_REFUSED and world_size == 2:
+            out.append(styles.run_case(f"{name}[error]", st.build, st.inputs, world_size, seq_len,
+                                       mesh=mesh, unsupported="error"))
     return out
 
 
@@ -79,6 +88,18 @@ def _params(names: list[str]) -> list:
 @pytest.mark.parametrize("name", _params(list(styles.ALL)))
 def test_style_exact_world2(name: str) -> None:
     _raise_outcome(2, name)
+    # Nothing is gathered where every op has a sequence-parallel form (a gather there would
+    # be exact but would silently give up the memory SP saves); the styles that need it do.
+    r = results(2)[0][name]
+    if styles.ALL[name].gathers:
+        assert r["gathered"], f"{name}: expected ops run on the gathered sequence, found none"
+        # One warning, at the first compile, naming the ops and the user's source lines.
+        assert len(r["gather_warnings"]) == 1, r["gather_warnings"]
+        text = r["gather_warnings"][0]
+        assert "styles.py:" in text and 'unsupported="error"' in text, text
+    else:
+        assert not r["gathered"], f"{name}: ops run on the gathered sequence: {r['gathered']}"
+        assert not r["gather_warnings"], r["gather_warnings"]
 
 
 @pytest.mark.slow
@@ -87,14 +108,15 @@ def test_style_exact_world4(name: str) -> None:
     _raise_outcome(4, name)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", sorted(REFUSED) + [f"{n}[error]" for n in sorted(STRICT_REFUSED)])
 def test_style_refused_clearly(name: str) -> None:
     import autosp
 
     with pytest.raises(autosp.AutospError) as info:
         _raise_outcome(2, name)
     message = str(info.value)
-    assert f"op '{REFUSED[name]}'" in message, message
+    op = REFUSED.get(name) or STRICT_REFUSED[name.removesuffix("[error]")]
+    assert f"op '{op}'" in message, message
     assert "styles.py:" in message, f"the refusal does not name the user's source line: {message}"
 
 

@@ -278,13 +278,18 @@ REFUSED = {
     "divide-by-local-count": "div",
     "cumsum-routed": "cumsum",
     "positions-of-another-dim": "index",
-    "nonzero-matrix": "nonzero",
     "dropout-routed": "dropout",
     "mean-of-mask-selected": "mean",
     "ce-of-label-mask": "cross_entropy",
     "positions-as-values": "remainder",
     "fill-reads-count": "full",
     "selection-sum-over-local-count": "div",
+}
+
+# Exact by default with the op on the gathered sequence (unsupported="gather"); refused at
+# that op with unsupported="error" (run as "<name>[error]").
+GATHERED = {
+    "nonzero-matrix": "nonzero",
     "masked-mean": "masked_mean",
 }
 
@@ -298,12 +303,18 @@ def _worker(rank: int, world_size: int, names: list[str], seq_len: int = SEQ_LEN
     mesh = autosp.init_mesh(world_size)
     build = {n: functools.partial(Masked, f) for n, f in MASKED.items()}
     build.update({n: functools.partial(Routed, f) for n, f in CASES.items()})
-    return [styles.run_case(n, build[n], ids_labels, world_size, seq_len, mesh=mesh) for n in names]
+    out = []
+    for n in names:
+        out.append(styles.run_case(n, build[n], ids_labels, world_size, seq_len, mesh=mesh))
+        if n in GATHERED:
+            out.append(styles.run_case(f"{n}[error]", build[n], ids_labels, world_size, seq_len,
+                                       mesh=mesh, unsupported="error"))
+    return out
 
 
 @functools.cache
 def results() -> tuple[dict[str, dict], ...]:
-    per_rank = run_ranks(2, _worker, EXACT + list(REFUSED), timeout=RANK_TIMEOUT_S)
+    per_rank = run_ranks(2, _worker, EXACT + list(REFUSED) + list(GATHERED), timeout=RANK_TIMEOUT_S)
     return tuple({r["name"]: r for r in rank_results} for rank_results in per_rank)
 
 
@@ -312,14 +323,22 @@ def test_token_local_exact_world2(name: str) -> None:
     styles.raise_worst_outcome(results(), name, "world 2")
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_token_local_gathered_exact(name: str) -> None:
+    styles.raise_worst_outcome(results(), name, "world 2")
+    for rank, res in enumerate(results()):
+        assert res[name]["gathered"], f"rank {rank}: {name} gathered nothing"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED) + [f"{n}[error]" for n in sorted(GATHERED)])
 def test_token_local_refused_clearly(name: str) -> None:
     import autosp
 
     with pytest.raises(autosp.AutospError) as info:
         styles.raise_worst_outcome(results(), name, "world 2")
     message = str(info.value)
-    assert f"op '{REFUSED[name]}'" in message, message
+    op = REFUSED.get(name) or GATHERED[name.removesuffix("[error]")]
+    assert f"op '{op}'" in message, message
     assert "test_token_local.py:" in message, f"the refusal does not name the source line: {message}"
 
 

@@ -1,12 +1,50 @@
 // Placement rules: shape ops (reshape, expand, repeat, permute, cat, split, pad, tril), sizes and
 // factories.
 #include <algorithm>
+#include <optional>
 
 #include "analysis/rule_kit.h"
 
 namespace autosp::rule_kit {
 
+namespace {
+
+// x.view_as(y) / x.expand_as(y) (input 1: y, whose local shape the op reads at run time).
+// The result is shaped like y on this rank, so it lies as y does. A replicated x meeting a
+// sharded y is cut to the part that this rank's chunk of y takes: along the dim that becomes
+// y's sharded dim (a mask [B, S, 1] expanded to [B, S, D], positions [B*S*D] viewed as
+// [B, S, D]); one that does not reach it (a bias [1, 1, D]) is expanded as it is. A sharded x
+// given the shape of a replicated y has no local form: refused (the gather fallback then
+// runs the op on the whole sequence).
+std::optional<RuleResult> shaped_like_operand(const RuleInput& r, bool expand) {
+  if (r.in.size() < 2 || r.in[0].is_shard() == r.in[1].is_shard()) return std::nullopt;
+  const Value& x = input_value(r, 0);
+  const Value& out = output_value(r, 0);
+  const Placement py = r.in[1];
+  if (py.is_shard() && r.in[0].is_replicate()) {
+    RuleResult res = keep_all(r, {py});
+    if (expand) {
+      const int k = py.dim - (out.rank() - x.rank());
+      if (k < 0 || x.shape[static_cast<size_t>(k)].is_one()) return res;
+      if (x.shape[static_cast<size_t>(k)] == out.shape[static_cast<size_t>(py.dim)]) {
+        res.operands[0] = OperandChange::slice(k, py.inner);
+        return res;
+      }
+    } else if (auto px = reshape_shard(out.shape, x.shape, py)) {
+      res.operands[0] = OperandChange::slice(px->dim, px->inner);
+      return res;
+    }
+  }
+  conflict(r,
+           describe_input(r, 0) + " given the shape of " + describe_input(r, 1) +
+               ", which this rank holds " + (py.is_shard() ? "a chunk of" : "whole"),
+           "a tensor whose chunk takes the shape of the sharded tensor's chunk");
+}
+
+}  // namespace
+
 RuleResult rule_reshape(const RuleInput& r) {
+  if (auto res = shaped_like_operand(r, false)) return *res;
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
   const Value& x = input_value(r, 0);
   const Value& out = output_value(r, 0);
@@ -22,6 +60,7 @@ RuleResult rule_reshape(const RuleInput& r) {
 }
 
 RuleResult rule_expand(const RuleInput& r) {
+  if (auto res = shaped_like_operand(r, true)) return *res;
   if (r.in.empty() || !r.in[0].is_shard()) return keep_all(r, all_replicate(r));
   const Value& x = input_value(r, 0);
   const Value& out = output_value(r, 0);

@@ -1,7 +1,8 @@
 // The Ulysses plan builder (internal to plan/): walks the input graph in order, applies each
 // op's placement rule and emits the plan (see ulysses.h). Its general machinery is defined in
 // ulysses.cpp; the op-specific emitters (attention, cross-entropy, scans, shifts, halos) in
-// ulysses_ops.cpp; the token-local driver in token_local.cpp.
+// ulysses_ops.cpp; the token-local driver in token_local.cpp; deciding an op's placements and
+// the gather fallback in decide.cpp; slice hoisting in hoist.cpp.
 #pragma once
 
 #include <map>
@@ -17,6 +18,11 @@
 namespace autosp::plan_detail {
 
 inline constexpr const char* kPass = "ulysses";
+
+// x.add_(y), F.relu(x, inplace=True) (attribute "inplace") and x[i] = y (setitem).
+inline bool writes_into_first_operand(const Node& n) {
+  return n.bool_attr("inplace", false) || n.op == "setitem";
+}
 
 inline bool is_float(const std::string& dtype) {
   return dtype == "f32" || dtype == "f16" || dtype == "bf16" || dtype == "f64";
@@ -127,6 +133,31 @@ class PlanBuilder {
   bool partial_passes(const OpRule& rule, const Node& n, const std::vector<int>& ins) const;
 
   void emit_generic(const Node& n);
+
+  // The rule result for `n` on the inputs `ins`: token-local, the op's rule, or for an op
+  // without one, replicated when every input is. Throws PlanError where the op has no
+  // sequence-parallel form for its inputs.
+  RuleResult decide(const Node& n, const OpRule* rule, const std::vector<int>& ins);
+
+  // decide(); where it throws and SpConfig::gather_unsupported is on, the sharded inputs are
+  // all-gathered (replacing them in `ins`), the op is decided again on full-length values,
+  // and the error is recorded in gathered_ops_ (decide.cpp).
+  RuleResult decide_or_gather(const Node& n, const OpRule* rule, std::vector<int>& ins);
+
+  // Whether every non-replicated input of `n` can be gathered whole: sharded along an even
+  // split of the sequence (S or k*S, no positions dropped), not the destination of an
+  // in-place write or setitem (the write would land in the gathered copy, not in the tensor),
+  // and neither it nor n's result written in place later through an alias (a gathered view
+  // is a copy: writes through it, or into its base, would not reach the other).
+  bool gatherable(const Node& n, const std::vector<int>& ins) const;
+
+  // sp.all_gather of a sharded value to full length (replicated), once per value.
+  int gather(int v, const SourceLoc& loc);
+
+  std::map<int, int> gather_cache_;
+  std::vector<std::string> gathered_ops_;
+  // Replicated values computed from gathered ones (full-length stand-ins for sharded values).
+  std::set<int> gathered_values_;
 
   // Token-local values (Placement::Local, see analysis/rules_local.cpp): the sizes of their
   // selection dims (the data-dependent counts torch.where found on this rank: the unbacked

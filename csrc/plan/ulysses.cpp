@@ -32,7 +32,7 @@ SpPlan PlanBuilder::run() {
   }
   eliminate_dead_nodes();
   if (cfg_.bucket_grad_sync) bucket_grad_syncs();
-  return SpPlan{std::move(out_), std::move(place_)};
+  return SpPlan{std::move(out_), std::move(place_), std::move(gathered_ops_)};
 }
 
 std::string PlanBuilder::bucket_of(const std::string& path) {
@@ -118,7 +118,12 @@ std::vector<int> PlanBuilder::emit(const std::string& op, std::vector<int> input
   n.inputs = std::move(inputs);
   n.attrs = std::move(attrs);
   n.loc = loc;
-  for (auto& [v, p] : outs) n.outputs.push_back(new_value(v, p));
+  const bool from_gathered = std::any_of(n.inputs.begin(), n.inputs.end(),
+                                         [&](int v) { return gathered_values_.count(v) > 0; });
+  for (auto& [v, p] : outs) {
+    n.outputs.push_back(new_value(v, p));
+    if (from_gathered && p.is_replicate()) gathered_values_.insert(n.outputs.back());
+  }
   std::vector<int> ids = n.outputs;
   out_.add_node(std::move(n));
   return ids;
@@ -137,12 +142,15 @@ int PlanBuilder::copy_node(const Node& n, std::vector<int> inputs,
     for (int64_t r : c.ints_attr("refs")) refs.push_back(mapped(static_cast<int>(r)));
     c.attrs["refs"] = refs;
   }
+  const bool from_gathered = std::any_of(c.inputs.begin(), c.inputs.end(),
+                                         [&](int v) { return gathered_values_.count(v) > 0; });
   for (size_t i = 0; i < n.outputs.size(); ++i) {
     const Placement& p = outs.at(i);
     if (p.is_local()) note_local_count(n, c.inputs, in_.value(n.outputs[i]).shape.at(p.dim));
     int id = new_value(same_counts(in_.value(n.outputs[i])), p);
     vmap_[static_cast<size_t>(n.outputs[i])] = id;
     c.outputs.push_back(id);
+    if (from_gathered && p.is_replicate()) gathered_values_.insert(id);
   }
   return out_.add_node(std::move(c));
 }
@@ -153,6 +161,7 @@ void PlanBuilder::set_grad_mode(bool enabled) {
   slice_cache_.clear();
   grad_sync_cache_.clear();
   reduce_cache_.clear();
+  gather_cache_.clear();
 }
 
 int PlanBuilder::grad_sync(int v, const SourceLoc& loc) {
@@ -191,77 +200,6 @@ int PlanBuilder::slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
   if (size.offset != 0) attrs["offset"] = size.offset;
   int id = emit("sp.slice", {src}, attrs, {{val(v), Placement::shard(dim, inner)}}, loc)[0];
   slice_cache_[key] = id;
-  return id;
-}
-
-int PlanBuilder::hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
-  if (!hoist_ || val(v).requires_grad || !placement(v).is_replicate()) return -1;
-  const int pi = out_.producer(v);
-  if (pi < 0) return -1;
-  const Node p = out_.nodes[static_cast<size_t>(pi)];
-  if (p.origin < 0 || p.outputs.size() != 1) return -1;
-  const Value out = val(v);
-  const int ro = out.rank();
-  std::vector<std::optional<std::pair<int, int64_t>>> req(p.inputs.size());
-  auto aligned = [&](size_t i) -> bool {
-    const Value& in = val(p.inputs[i]);
-    const int k = dim - (ro - in.rank());
-    if (k < 0 || in.shape[static_cast<size_t>(k)].is_one()) return true;
-    if (!(in.shape[static_cast<size_t>(k)] == out.shape[static_cast<size_t>(dim)])) return false;
-    req[i] = std::make_pair(k, inner);
-    return true;
-  };
-  const OpRule* rule = rule_for(p);
-  const bool elementwise =
-      rule != nullptr && p.op != "dropout" && p.op != "layer_norm" &&
-      (p.op == "to" || p.op == "where" || p.op == "masked_fill" || p.op == "contiguous" ||
-       p.op == "clone" || p.op == "alias" || rule->partial != PartialBehaviour::Reduce ||
-       p.bool_attr("pointwise", false));
-  for (size_t i = 0; i < p.inputs.size(); ++i) {
-    if (p.inputs[i] < 0) continue;
-    if (!placement(p.inputs[i]).is_replicate() || val(p.inputs[i]).requires_grad) return -1;
-  }
-  if (p.op == "reshape") {
-    if (p.inputs.empty()) return -1;
-    auto q = reshape_shard(out.shape, val(p.inputs[0]).shape, Placement::shard(dim, inner));
-    if (!q) return -1;
-    req[0] = std::make_pair(q->dim, q->inner);
-  } else if (p.op == "expand") {
-    if (p.inputs.empty() || !aligned(0)) return -1;
-  } else if (p.op == "permute") {
-    const auto perm = p.ints_attr("perm");
-    if (dim >= static_cast<int>(perm.size())) return -1;
-    req[0] = std::make_pair(static_cast<int>(perm[static_cast<size_t>(dim)]), inner);
-  } else if (p.op == "index") {
-    if (p.inputs.size() != 1) return -1;
-    const auto dim_map = p.ints_attr("dim_map");
-    const auto sliced = p.ints_attr("sliced_dims");
-    int k = -1;
-    for (size_t j = 0; j < dim_map.size(); ++j)
-      if (dim_map[j] == dim) k = static_cast<int>(j);
-    if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return -1;
-    req[0] = std::make_pair(k, inner);
-  } else if (p.op == "cat") {
-    int64_t cat_dim = p.int_attr("dim", 0);
-    if (cat_dim < 0) cat_dim += ro;
-    if (cat_dim == dim) return -1;
-    for (size_t i = 0; i < p.inputs.size(); ++i) req[i] = std::make_pair(dim, inner);
-  } else if (elementwise) {
-    for (size_t i = 0; i < p.inputs.size(); ++i)
-      if (p.inputs[i] >= 0 && val(p.inputs[i]).is_tensor() && !aligned(i)) return -1;
-  } else {
-    return -1;
-  }
-  Node c = p;
-  c.outputs.clear();
-  for (size_t i = 0; i < p.inputs.size(); ++i)
-    if (req[i]) c.inputs[i] = slice(p.inputs[i], req[i]->first, req[i]->second, loc);
-  c.attrs["clone"] = true;
-  if (out.shape[static_cast<size_t>(dim)].has_seq())
-    c.attrs["local_dims"] = std::vector<int64_t>{dim};
-  c.outputs.push_back(new_value(out, Placement::shard(dim, inner)));
-  const int id = c.outputs[0];
-  out_.add_node(std::move(c));
   return id;
 }
 
@@ -306,6 +244,10 @@ void PlanBuilder::emit_output(const Node& n) {
     if (p.is_shard() && cfg_.gather_outputs)
       v = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
                {{val(v), Placement::replicate()}}, n.loc)[0];
+    // Local outputs: a value computed on the gathered sequence is returned as this rank's
+    // chunk too, like the sharded values it stands in for.
+    if (!cfg_.gather_outputs && gathered_values_.count(v) && val(v).is_tensor())
+      if (const int d = sequence_dim(val(v)); d >= 0) v = slice(v, d, 1, n.loc);
     ins.push_back(v);
   }
   copy_node(n, ins, {}, {});
@@ -382,24 +324,7 @@ void PlanBuilder::emit_generic(const Node& n) {
   }
   for (int& v : ins)
     if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
-  const std::vector<Placement> in_places = placements_of(ins);
-  RuleResult res;
-  if (auto local = token_local(n, ins)) {
-    res = std::move(*local);
-  } else if (!rule) {
-    for (size_t i = 0; i < ins.size(); ++i)
-      if (!in_places[i].is_replicate())
-        throw PlanError(kPass, n,
-                        "input " + std::to_string(i) + " placed " + in_places[i].str() + " (" +
-                            shape_str(val(ins[i]).shape) + ")",
-                        "an op with a sequence-parallel rule",
-                        "autosp has no rule for '" + n.op +
-                            "' on a sequence-sharded tensor; rather than guess, it stops here.");
-    res.out.assign(n.outputs.size(), Placement::replicate());
-    res.operands.assign(ins.size(), OperandChange::keep());
-  } else {
-    res = call_rule(*rule, n, ins);
-  }
+  RuleResult res = decide_or_gather(n, rule, ins);
   // An in-place op writes into its first operand: it must not be a sliced copy of a
   // replicated tensor (the write would miss the tensor, and any view of it, read later).
   if (n.bool_attr("inplace", false) && !res.operands.empty() &&

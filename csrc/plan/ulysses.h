@@ -53,11 +53,21 @@ struct SpConfig {
   // they stay this rank's chunk (the loss and other replicated outputs are unchanged), which
   // saves the gather and the full-length copy when only the loss is used.
   bool gather_outputs = true;
+  // An op that has no sequence-parallel form for its sequence-sharded inputs (no rule, or a
+  // rule that refuses them: F.pad of the sharded dim, a sort along it, a slice inside it)
+  // gets them all-gathered to full length (sp.all_gather) and runs on the whole sequence on
+  // every rank, as on one device; what it produces stays replicated until it meets sharded
+  // values again, where it is sliced. Exact, but those activations are not split. Each such op
+  // is listed in SpPlan::gathered. With false the plan stops at the op (PlanError).
+  bool gather_unsupported = false;
 };
 
 struct SpPlan {
   Graph graph;
   std::vector<Placement> placements;  // indexed by value id of `graph`
+  // The ops whose sharded inputs were gathered (SpConfig::gather_unsupported), in program
+  // order: for each, the error the plan would have stopped with (op, source line, reason).
+  std::vector<std::string> gathered;
 
   // Number of nodes per SP op ("sp.all_to_all" -> 2L for an L-layer model, ...).
   std::map<std::string, int> collective_counts() const;

@@ -65,7 +65,7 @@ const Node* PlanBuilder::later_write_to_aliases(const Node& n) const {
     grew = false;
     for (const Node& m : in_.nodes) {
       if (m.inputs.empty() || m.inputs[0] < 0) continue;
-      if (!views.count(m.op) && !m.bool_attr("inplace", false)) continue;
+      if (!views.count(m.op) && !writes_into_first_operand(m)) continue;
       const bool in = alias.count(m.inputs[0]) > 0;
       const bool out = std::any_of(m.outputs.begin(), m.outputs.end(),
                                    [&](int o) { return alias.count(o) > 0; });
@@ -80,8 +80,7 @@ const Node* PlanBuilder::later_write_to_aliases(const Node& n) const {
   for (const Node& m : in_.nodes) {
     if (m.id == n.id)
       after = true;
-    else if (after && m.bool_attr("inplace", false) && !m.inputs.empty() &&
-             alias.count(m.inputs[0]))
+    else if (after && writes_into_first_operand(m) && !m.inputs.empty() && alias.count(m.inputs[0]))
       return &m;
   }
   return nullptr;
@@ -226,9 +225,15 @@ void PlanBuilder::emit_sdpa(const Node& n) {
                           " " + shape_str(val(ins[i]).shape) + " placed " + p.str(),
                       "the sequence in dim 2 (S(2)) or a replicated tensor");
   }
-  if (!placement(ins[0]).is_shard())
-    throw PlanError(kPass, n, "a replicated query with sharded key/value",
-                    "a query sharded along the sequence");
+  // A full-length query with sharded key/value (a query computed on the gathered sequence):
+  // this rank's chunk of it, like any replicated operand meeting sharded ones.
+  if (!placement(ins[0]).is_shard()) {
+    if (!val(ins[0]).shape.at(2).has_seq())
+      throw PlanError(kPass, n,
+                      "a replicated query " + shape_str(q.shape) + " with sharded key/value",
+                      "a query sharded along the sequence, or a full-length one");
+    ins[0] = slice(ins[0], 2, 1, n.loc);
+  }
   const Dim& hq = q.shape[1];
   if (!hq.is_static() || hq.coef % P != 0)
     throw PlanError(
@@ -291,10 +296,17 @@ void PlanBuilder::emit_sdpa(const Node& n) {
   for (size_t i = 3; i < args.size(); ++i) {
     if (args[i] < 0) continue;
     const Placement pm = placement(args[i]);
-    if (!pm.is_replicate())
-      throw PlanError(kPass, n, "an attention mask placed " + pm.str(),
-                      "a replicated (full-length) mask",
-                      "Build the mask from full-length positions (as single-device code does).");
+    if (!pm.is_replicate()) {
+      const PlanError refused(kPass, n, "an attention mask placed " + pm.str(),
+                              "a replicated (full-length) mask",
+                              "Build the mask from full-length positions (as single-device code "
+                              "does).");
+      // A mask computed from sharded activations (a per-key bias): the gather fallback
+      // gives every rank the whole of it.
+      if (!cfg_.gather_unsupported || !gatherable(n, {args[i]})) throw refused;
+      args[i] = gather(args[i], n.loc);
+      gathered_ops_.push_back(refused.what());
+    }
     const Value& m = val(args[i]);
     // The heads dim: dim 1 of flex's block mask tensors ([B, H, blocks...]); for an SDPA mask,
     // which broadcasts against [B, H, S, S] from the right, the third dim from the end.
@@ -302,7 +314,11 @@ void PlanBuilder::emit_sdpa(const Node& n) {
     if (i < per_head_end && hd >= 0 && hd < m.rank() &&
         m.shape[static_cast<size_t>(hd)].is_static() &&
         m.shape[static_cast<size_t>(hd)].coef == Hq && Hq > 1)
-      args[i] = slice(args[i], hd, 1, n.loc);
+      args[i] = slice(args[i], hd, 1, n.loc);  // this rank's heads (behind a gradient sync)
+    else
+      // The whole mask on every rank, used by this rank's heads only: its gradient is this
+      // rank's part, summed over ranks by the sync.
+      args[i] = grad_sync_if_replicated(args[i], n.loc);
   }
   const Dim seq = q.shape[2];
   auto exchange_group = [&](std::vector<int> positions) {

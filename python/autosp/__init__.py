@@ -9,9 +9,9 @@
 """
 
 from autosp.api import backend, compile, init_mesh
-from autosp.errors import AutospError
+from autosp.errors import AutospError, AutospGatherWarning
 
-__all__ = ["AutospError", "backend", "compile", "init_mesh", "plan"]
+__all__ = ["AutospError", "AutospGatherWarning", "backend", "compile", "init_mesh", "plan"]
 
 
 def __getattr__(name: str) -> object:

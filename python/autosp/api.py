@@ -16,6 +16,7 @@ from autosp.errors import AutospError, internal_error
 
 REMAT_POLICIES = ("none", "default", "sequence-aware")
 OUTPUTS = ("full", "local")
+UNSUPPORTED = ("gather", "error")
 
 
 def init_mesh(sp_size: int, dp_size: int | None = None, device_type: str | None = None) -> DeviceMesh:
@@ -126,16 +127,26 @@ def _check_outputs(outputs: str) -> None:
                           "rank's chunk of outputs sharded along the sequence.")
 
 
+def _check_unsupported(unsupported: str) -> None:
+    if unsupported not in UNSUPPORTED:
+        raise AutospError(f"[autosp:compile] found unsupported={unsupported!r}; expected one of "
+                          f"{UNSUPPORTED}: 'gather' runs an op that has no sequence-parallel form "
+                          "on the all-gathered full sequence, 'error' stops at it.")
+
+
 def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
-                  remat_report: Any = None, outputs: str = "full") -> SequenceParallelBackend:
+                  remat_report: Any = None, outputs: str = "full",
+                  unsupported: str = "gather") -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
                                    backend=compiler, remat_report=remat_report,
-                                   gather_outputs=outputs == "full")
+                                   gather_outputs=outputs == "full",
+                                   gather_unsupported=unsupported == "gather")
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
-            backend: str = "inductor", outputs: str = "full") -> SequenceParallelBackend:
+            backend: str = "inductor", outputs: str = "full",
+            unsupported: str = "gather") -> SequenceParallelBackend:
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
     (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`.
@@ -144,7 +155,8 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
     route tokens with ``torch.where(mask)`` (autosp.compile does, for modules that need it)."""
     _check_seq_dim(seq_dim)
     _check_outputs(outputs)
-    return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs)
+    _check_unsupported(unsupported)
+    return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs, unsupported=unsupported)
 
 
 def _logging_functions() -> set:
@@ -314,11 +326,17 @@ class SequenceParallelModule(nn.Module):
         """Stage-by-stage record of the last compilation (core IR, plan, FX graph)."""
         return self.sp_backend.last
 
+    @property
+    def gathered(self) -> list[str]:
+        """The ops of every compiled graph that run on the all-gathered full sequence
+        (``unsupported="gather"``), each as the error autosp would have stopped with."""
+        return [reason for rec in self.sp_backend.records for reason in rec.gathered]
+
 
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", average_dp: bool = True,
             remat_report: Any = None, outputs: str = "full",
-            check_inputs: str = "on_change") -> SequenceParallelModule:
+            check_inputs: str = "on_change", unsupported: str = "gather") -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -345,6 +363,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     compares on the first call and whenever this rank's input shapes or dtypes change (two
     small all-gathers then, nothing otherwise), ``"always"`` on every call, ``"never"`` not
     at all. ``seq_dim`` is the sequence dim of the batch-first inputs (>= 1).
+
+    ``unsupported``: what to do with an op that has no sequence-parallel form for its
+    sequence-sharded inputs (``F.pad`` of the sequence to a chunk multiple in a Mamba-style
+    scan, a sort along it, a slice inside it). ``"gather"`` (default) all-gathers those inputs
+    and runs the op, and whatever is computed from its result alone, on the full sequence on
+    every rank: exact, but those activations are not split and that work is not divided. A
+    warning names each such op (``AutospGatherWarning``) and the compile record lists them
+    (``SequenceParallelModule.gathered``). ``"error"`` stops at the first such op with an
+    AutospError instead.
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
@@ -352,9 +379,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
         raise AutospError(f"[autosp:compile] found remat={remat!r}; expected one of {REMAT_POLICIES} "
                           "or an autosp.remat.MemoryBudget.")
     _check_outputs(outputs)
+    _check_unsupported(unsupported)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
-    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs)
+    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None,
                                   sp_group=mesh.get_group("sp"), check_inputs=check_inputs,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ import torch.fx as fx
 from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
-from autosp.errors import AutospError, stage
+from autosp.errors import AutospError, AutospGatherWarning, stage
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -38,12 +39,48 @@ class CompileRecord:
     collective_counts: dict[str, int] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = None  # what this rank runs, before AOTAutograd
     example_inputs: list[Any] = field(default_factory=list)  # graph_module's inputs at compile time
+    # Ops run on the all-gathered sequence (no sequence-parallel form for their sharded
+    # inputs): for each, the error the plan would have stopped with.
+    gathered: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> str:
         for s in self.stages:
             if s.name == name:
                 return s.text
         raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+
+
+def gather_warning(gathered: list[str]) -> str:
+    """The warning for ops run on the all-gathered sequence (SpConfig.gather_unsupported)."""
+    shown = "\n".join(f"  - {reason}" for reason in gathered[:5])
+    more = f"\n  ... and {len(gathered) - 5} more" if len(gathered) > 5 else ""
+    return (
+        f"[autosp:ulysses] {len(gathered)} op(s) have no sequence-parallel form for their "
+        "sequence-sharded inputs; autosp all-gathers those inputs and runs these ops, and what "
+        "is computed from their results alone, on the full sequence on every rank. The result is "
+        "exact, but those activations are not split across ranks and that work is repeated on "
+        "each. Pass unsupported=\"error\" to autosp.compile to stop at them instead.\n"
+        f"{shown}{more}"
+    )
+
+
+def eager_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    """The ``aot_eager`` compiler for AOTAutograd's forward and backward graphs: runs them
+    eagerly, with each ``aten.view`` a ``reshape``.
+
+    AOTAutograd traces with symbolic sizes, and for some layouts its fake tensors decide
+    strides differently from the eager kernels at run time: a ``cat`` of gradients whose
+    strides look channels-last is traced contiguous but returns channels-last, and a later
+    ``view`` fails (seen in the backward of gated-DeltaNet models, also under plain
+    ``torch.compile`` with a dynamic length). These graphs are functional, so a ``reshape``
+    (a view where the strides allow, a copy otherwise) computes the same values."""
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return boxed_nop(gm, example_inputs)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], *, remat: Any, backend: str,
@@ -63,7 +100,8 @@ class SequenceParallelBackend:
 
     def __init__(self, *, rank: int, world: int, group: str, seq_dim: int = 1,
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
-                 remat_report: Any = None, gather_outputs: bool = True) -> None:
+                 remat_report: Any = None, gather_outputs: bool = True,
+                 gather_unsupported: bool = True) -> None:
         if backend not in BACKENDS:
             raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -72,6 +110,7 @@ class SequenceParallelBackend:
         self.backend = backend
         self.fuse_qkv = fuse_qkv
         self.gather_outputs = gather_outputs
+        self.gather_unsupported = gather_unsupported
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
@@ -112,6 +151,7 @@ class SequenceParallelBackend:
                 cfg.sp_size = self.ctx.world
                 cfg.fuse_qkv = self.fuse_qkv
                 cfg.gather_outputs = self.gather_outputs
+                cfg.gather_unsupported = self.gather_unsupported
                 try:
                     plan = _core.plan_ulysses(bridge.graph, cfg)
                 except _core.PlanError as e:
@@ -119,6 +159,9 @@ class SequenceParallelBackend:
                 t2 = time.perf_counter()
                 rec.stages.append(Stage("ulysses", str(plan), t2 - t1))
                 rec.collective_counts = dict(plan.collective_counts())
+                rec.gathered = list(plan.gathered)
+                if rec.gathered:
+                    warnings.warn(gather_warning(rec.gathered), AutospGatherWarning, stacklevel=2)
             with stage("apply"):
                 new_gm = apply_plan(gm, bridge, plan, self.ctx)
                 rec.graph_module = new_gm

@@ -234,14 +234,16 @@ def _c_norm(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     return "layer_norm", _tensor_inputs(node), {"norm_dims": count}
 
 
+# x.view_as(y), x.reshape_as(y), x.expand_as(y): y's shape, read at run time from the local
+# tensor, is an operand (input 1) so that the rule sees where it lies.
 @_canon(*_RESHAPES)
 def _c_reshape(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    return "reshape", _tensor_inputs(node, only=[0]), {}
+    return "reshape", _tensor_inputs(node, only=[0, 1] if name.endswith("_as") else [0]), {}
 
 
 @_canon("expand", "expand_as", "broadcast_to")
 def _c_expand(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    return "expand", _tensor_inputs(node, only=[0]), {}
+    return "expand", _tensor_inputs(node, only=[0, 1] if name.endswith("_as") else [0]), {}
 
 
 @_canon("transpose", "permute", "t", "movedim", "moveaxis")

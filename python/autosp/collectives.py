@@ -223,20 +223,26 @@ class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, outer: int, inner: int, group: str, rank: int,
                 world: int) -> torch.Tensor:
-        ctx.args = (dim, outer, inner, rank, world)
         t = x.unflatten(dim, (outer, -1, inner))  # [.., outer, n, inner, ..]
+        ctx.args = (dim, outer, inner, rank, t.size(dim + 1))
         g = _wait(funcol.all_gather_tensor(t.unsqueeze(0).contiguous(), 0, group))  # [world, .., outer, n, inner, ..]
         g = g.movedim(0, dim + 1)  # [.., outer, world, n, inner, ..]
         return g.flatten(dim, dim + 3).contiguous()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        dim, outer, inner, rank, world = ctx.args
-        return (local_chunk(g, dim, outer, inner, rank, world),) + (None,) * 6
+        # This rank's part, sized by the forward's chunk (n) rather than by g's length: where
+        # g comes out of a region run on the gathered sequence, its length is an unsimplified
+        # expression of S (padded to chunks, reshaped back) that equals world * n.
+        dim, outer, inner, rank, n = ctx.args
+        t = g.unflatten(dim, (outer, -1, inner))
+        return (t.narrow(dim + 1, rank * n, n).flatten(dim, dim + 2).contiguous(),) + (None,) * 6
 
 
 def all_gather_seq(x: torch.Tensor, dim: int, outer: int, inner: int, group: str, rank: int,
                    world: int) -> torch.Tensor:
+    if x.dtype == torch.bool:  # Gloo has no bool collectives
+        return _AllGatherSeq.apply(x.to(torch.uint8), dim, outer, inner, group, rank, world).bool()
     return _AllGatherSeq.apply(x, dim, outer, inner, group, rank, world)
 
 

@@ -24,6 +24,12 @@ class AutospError(ValueError):
     """
 
 
+class AutospGatherWarning(UserWarning):
+    """Some ops had no sequence-parallel form for their sharded inputs and run on the
+    all-gathered full sequence on every rank (``autosp.compile(..., unsupported="gather")``):
+    exact, but their activations are not split. The message names each op and source line."""
+
+
 # The (stage, node) being processed, innermost last; set by at_node.
 _NODE: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
     "autosp_node", default=()

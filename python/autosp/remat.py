@@ -762,11 +762,12 @@ def compile_joint(
     )
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop
+
+        from autosp.backend import eager_graph
 
         return aot_autograd(
-            fw_compiler=boxed_nop,
-            bw_compiler=boxed_nop,
+            fw_compiler=eager_graph,
+            bw_compiler=eager_graph,
             partition_fn=partition_fn,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)

@@ -46,11 +46,13 @@ void init_sp(nb::module_& m) {
       .def_rw("sp_size", &SpConfig::sp_size)
       .def_rw("fuse_qkv", &SpConfig::fuse_qkv)
       .def_rw("bucket_grad_sync", &SpConfig::bucket_grad_sync)
-      .def_rw("gather_outputs", &SpConfig::gather_outputs);
+      .def_rw("gather_outputs", &SpConfig::gather_outputs)
+      .def_rw("gather_unsupported", &SpConfig::gather_unsupported);
 
   nb::class_<SpPlan>(m, "SpPlan")
       .def_ro("graph", &SpPlan::graph)
       .def_ro("placements", &SpPlan::placements)
+      .def_ro("gathered", &SpPlan::gathered)
       .def("collective_counts", &SpPlan::collective_counts)
       .def("__str__", &SpPlan::str);
 

@@ -370,6 +370,33 @@ TEST(ExpandRule, LeadingDimsShiftTheShard) {
             (Outcome{{Sh(1)}, {Keep}, {{"local_dims", std::vector<int64_t>{1}}}}));
 }
 
+// x.view_as(y) / x.expand_as(y) read y's local shape at run time: the result lies as y does,
+// and a replicated x is cut to the part this rank's chunk of y takes.
+TEST(ShapedLikeOperand, ViewAsAndExpandAs) {
+  GraphBuilder b;
+  const int x = b.input("x", {S(2), C(16)}, "f32", "data");
+  const int h = b.input("h", {C(2), S(), C(16)}, "f32", "data");
+  const int bias = b.input("bias", {C(1), C(1), C(16)}, "f32", "data");
+  const int mask = b.input("mask", {C(2), S(), C(1)}, "f32", "data");
+  const int flat = b.input("flat", {C(2), S(16)}, "f32", "data");
+  const int v = b.at(9, "y = x.view_as(h)").op("reshape", {x, h}, {C(2), S(), C(16)});
+  const int e = b.op("expand", {bias, h}, {C(2), S(), C(16)});
+  const int m = b.op("expand", {mask, h}, {C(2), S(), C(16)});
+  const int f = b.op("reshape", {flat, h}, {C(2), S(), C(16)});
+  EXPECT_EQ(run_rule(b, v, {R, R}), (Outcome{{R}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, v, {Sh(0), Sh(1)}),
+            (Outcome{{Sh(1)}, {Keep, Keep}, {{"local_dims", std::vector<int64_t>{1}}}}));
+  EXPECT_EQ(run_rule(b, e, {R, Sh(1)}), (Outcome{{Sh(1)}, {Keep, Keep}}));
+  EXPECT_EQ(run_rule(b, m, {R, Sh(1)}), (Outcome{{Sh(1)}, {Slice(1), Keep}}));
+  EXPECT_EQ(run_rule(b, f, {R, Sh(1)}), (Outcome{{Sh(1)}, {Slice(1, 16), Keep}}));
+  // x = [2*S, 16] viewed as [2, S, 16]: its chunk is rows of both sequences, Shard(0) of
+  // the merged dim with the batch outside.
+  EXPECT_EQ(run_rule(b, v, {R, Sh(1)}), (Outcome{{Sh(1)}, {Slice(0), Keep}}));
+  EXPECT_TRUE(contains(rule_error(b, v, {Sh(0), R}),
+                       "found input 0 f32[2*S, 16] placed S(0) given the shape of input 1 "
+                       "f32[2, S, 16] placed R, which this rank holds whole"));
+}
+
 // GQA written by hand: k.repeat_interleave(n_rep, dim=1) on [B, kv, S, D] sharded on S keeps the
 // shard; along the sequence each rank repeats its own chunk (the repeats sit right of S).
 TEST(RepeatRules, RepeatInterleaveAndRepeat) {

@@ -451,6 +451,130 @@ TEST(UlyssesNoRule, ReplicatedOperandsAreFine) {
   EXPECT_TRUE(plan.collective_counts().empty());
 }
 
+// ---- the gather fallback (SpConfig::gather_unsupported) -------------------------------------
+
+// The op without a rule runs on the all-gathered sequence; its replicated result is sliced
+// where it meets the sharded residual again (behind a gradient sync), and the plan lists it.
+TEST(UlyssesGather, OpWithoutRuleRunsOnTheGatheredSequence) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int w = b.param("mix.weight", {C(8)});
+  const int h = b.at(3).op("mul", {x, w}, {C(2), S(), C(8)});
+  const int f = b.at(4, "f = my_scan(h)").op("my_scan", {h}, {C(2), S(), C(8)});
+  const int y = b.at(5, "y = h + f").op("add", {h, f}, {C(2), S(), C(8)});
+  const int loss = b.at(6).op("sum", {y}, {});
+  b.at(7).output({loss});
+  const Graph g = b.graph;
+  const std::string refusal = plan_error([&] { plan_ulysses(g, {.sp_size = 2}); });
+  EXPECT_TRUE(contains(refusal, "no rule for 'my_scan'"));
+  const SpPlan plan = plan_ulysses(g, {.sp_size = 2, .gather_unsupported = true});
+  EXPECT_EQ(plan.gathered, std::vector<std::string>{refusal});
+  EXPECT_EQ(plan.str(),
+            "%0: f32[2, S, 8] R = input() {name=\"inputs_embeds\", role=\"data\"}  # model.py:1\n"
+            "%1: f32[2, S, 8] S(1) = sp.slice(%0) {dim=1, inner=1, outer=1}  # model.py:1\n"
+            "%2: f32[8] R = input() {grad, name=\"mix.weight\", path=\"mix.weight\", "
+            "role=\"param\"}  # model.py:2\n"
+            "%3: f32[8] R = sp.grad_sync(%2) {grad}\n"
+            "%4: f32[2, S, 8] S(1) = mul(%1, %3) {grad}  # model.py:3\n"
+            "%5: f32[2, S, 8] R = sp.all_gather(%4) {grad, dim=1, inner=1}  # model.py:4\n"
+            "%6: f32[2, S, 8] R = my_scan(%5) {grad}  # model.py:4\n"
+            "%7: f32[2, S, 8] R = sp.grad_sync(%6) {grad}  # model.py:5\n"
+            "%8: f32[2, S, 8] S(1) = sp.slice(%7) {grad, dim=1, inner=1, outer=1}  # model.py:5\n"
+            "%9: f32[2, S, 8] S(1) = add(%4, %8) {grad}  # model.py:5\n"
+            "%10: f32[] P = sum(%9) {grad}  # model.py:6\n"
+            "%11: f32[] R = sp.reduce_partial(%10) {grad}  # model.py:7\n"
+            "() = output(%11)  # model.py:7\n");
+}
+
+// Each refused op is listed; a value is gathered once however many refused ops read it. An
+// in-place write into a sharded destination is not gathered (the write would land in the
+// gathered copy): the plan still stops there.
+TEST(UlyssesGather, EachRefusedOpIsListedAndInPlaceWritesAreNotGathered) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int f = b.at(4).op("my_scan", {x}, {C(2), S(), C(8)});
+  const int f2 = b.at(4).op("my_other_scan", {x}, {C(2), S(), C(8)});
+  const int y = b.at(5).op("add", {f2, f}, {C(2), S(), C(8)});
+  const int g2 = b.at(6).op("my_scan", {y}, {C(2), S(), C(8)});
+  const int z = b.at(7).op("mul", {g2, x}, {C(2), S(), C(8)});
+  b.at(8).output({z});
+  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2, .gather_unsupported = true});
+  EXPECT_EQ(plan.gathered.size(), 2u);  // my_scan and my_other_scan; my_scan(y) is replicated
+  // x once for both scans, and the output z (sharded, as mul slices g2) at the end.
+  EXPECT_EQ(plan.collective_counts(), (std::map<std::string, int>{{"sp.all_gather", 2}}));
+
+  // With local outputs, the gathered result is returned as this rank's chunk, like the
+  // sharded value it stands in for.
+  GraphBuilder l;
+  const int lx = l.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int lf = l.at(4).op("my_scan", {lx}, {C(2), S(), C(8)});
+  l.at(5).output({lf});
+  const SpPlan local =
+      plan_ulysses(l.graph, {.sp_size = 2, .gather_outputs = false, .gather_unsupported = true});
+  const Node& out = local.graph.nodes.back();
+  EXPECT_EQ(local.placements[static_cast<size_t>(out.inputs[0])], Placement::shard(1));
+
+  // A view along the sequence written through later, or a setitem: a gathered copy would
+  // take the write, not the tensor. Not gathered: still the error.
+  GraphBuilder v;
+  const int vx = v.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int vh = v.at(3).op("mul", {vx, vx}, {C(2), S(), C(8)});
+  const int part = v.at(4, "part = h[:, 3:7]")
+                       .op("index", {vh}, {C(2), C(4), C(8)},
+                           {{"dim_map", Ints{0, 1, 2}}, {"sliced_dims", Ints{1}}});
+  v.at(5, "part.mul_(2)").op("mul", {part}, {C(2), C(4), C(8)}, {{"inplace", true}});
+  const int set = v.at(6, "h[..., :4] = 0").op("setitem", {vh}, {C(2), S(), C(8)});
+  v.at(7).output({vh, set});
+  const Graph views = v.graph;
+  EXPECT_TRUE(
+      contains(plan_error([&] { plan_ulysses(views, {.sp_size = 2, .gather_unsupported = true}); }),
+               "op 'index' at model.py:4"));
+
+  GraphBuilder w;
+  const int a = w.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int c = w.at(3).op("mul", {a, a}, {C(2), S(), C(8)});
+  const int d = w.at(4).op("my_fill_", {c}, {C(2), S(), C(8)}, {{"inplace", true}});
+  w.at(5).output({d});
+  const Graph inplace = w.graph;
+  EXPECT_TRUE(contains(
+      plan_error([&] { plan_ulysses(inplace, {.sp_size = 2, .gather_unsupported = true}); }),
+      "no rule for 'my_fill_'"));
+}
+
+// Attention around gathered values: a query computed on the gathered sequence is sliced to
+// this rank's chunk before the exchange, and a mask computed from sharded activations (a
+// per-key bias) is gathered whole (listed); without the fallback both stay errors.
+TEST(UlyssesGather, AttentionWithAGatheredQueryAndASharedMask) {
+  GraphBuilder b;
+  const Dim B = C(2), H = C(4), D = C(8);
+  const int x = b.input("inputs_embeds", {B, H, S(), D}, "f32", "data");
+  const int q = b.at(3, "q = my_router(x)").op("my_router", {x}, {B, H, S(), D});
+  const int bias = b.at(4, "bias = x.sum(-1)").op("sum", {x}, {B, H, S()}, {{"dims", Ints{3}}});
+  const int mask = b.at(5, "mask = bias[:, :, None, :]").op("reshape", {bias}, {B, H, C(1), S()});
+  const int o = b.at(6, "o = F.scaled_dot_product_attention(q, x, x, attn_mask=mask)")
+                    .target("torch.nn.functional.scaled_dot_product_attention")
+                    .op("sdpa", {q, x, x, mask}, {B, H, S(), D});
+  b.at(7).output({o});
+  const Graph g = b.graph;
+  EXPECT_TRUE(
+      contains(plan_error([&] { plan_ulysses(g, {.sp_size = 2}); }), "no rule for 'my_router'"));
+  const SpPlan plan = plan_ulysses(g, {.sp_size = 2, .gather_unsupported = true});
+  ASSERT_EQ(plan.gathered.size(), 2u);
+  EXPECT_TRUE(contains(plan.gathered[0], "no rule for 'my_router'"));
+  EXPECT_TRUE(contains(plan.gathered[1], "found an attention mask placed S(3)"));
+  const Node& sdpa = *nodes_with_op(plan, "sdpa").at(0);
+  // The query reaches the exchange as this rank's chunk of the gathered router output.
+  const Node& exchange = producer(plan, sdpa.inputs[0]);
+  ASSERT_EQ(exchange.op, "sp.all_to_all");
+  EXPECT_EQ(producer(plan, exchange.inputs[0]).op, "sp.slice");
+  // The mask is this rank's heads of the gathered bias.
+  const Node& heads = producer(plan, sdpa.inputs[3]);
+  EXPECT_EQ(heads.op, "sp.slice");
+  EXPECT_EQ(heads.int_attr("dim", -1), 1);
+  EXPECT_EQ(producer(plan, heads.inputs[0]).op, "sp.all_gather");
+  EXPECT_EQ(plan.collective_counts().at("sp.all_gather"), 3);  // x, the mask, the output
+}
+
 // A sharded value returned to the user is gathered back to full length.
 TEST(UlyssesOutputs, ShardedOutputIsGathered) {
   GraphBuilder b;

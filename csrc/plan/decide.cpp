@@ -1,0 +1,85 @@
+// Deciding an op's placements (its rule, or replicated for an op without one), and the gather
+// fallback (SpConfig::gather_unsupported): an op with no sequence-parallel form for its sharded
+// inputs runs on the whole sequence instead of stopping the plan.
+//
+// Its sharded inputs are all-gathered (sp.all_gather: forward the full value on every rank,
+// backward this rank's chunk of the gradient), so the op and everything computed from its
+// result alone run on full-length replicated values, exactly as on one device. Where such a
+// value meets sharded values again it is sliced (PlanBuilder::slice), behind the usual
+// gradient sync of replicated values: the gradient a replicated region receives is then the
+// sum over ranks, and the gather's backward keeps this rank's part of it.
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/plan_builder.h"
+
+namespace autosp::plan_detail {
+
+RuleResult PlanBuilder::decide(const Node& n, const OpRule* rule, const std::vector<int>& ins) {
+  if (auto local = token_local(n, ins)) return std::move(*local);
+  if (rule) return call_rule(*rule, n, ins);
+  for (size_t i = 0; i < ins.size(); ++i)
+    if (!placement(ins[i]).is_replicate())
+      throw PlanError(kPass, n,
+                      "input " + std::to_string(i) + " placed " + placement(ins[i]).str() + " (" +
+                          shape_str(val(ins[i]).shape) + ")",
+                      "an op with a sequence-parallel rule",
+                      "autosp has no rule for '" + n.op +
+                          "' on a sequence-sharded tensor; rather than guess, it stops here.");
+  RuleResult res;
+  res.out.assign(n.outputs.size(), Placement::replicate());
+  res.operands.assign(ins.size(), OperandChange::keep());
+  return res;
+}
+
+bool PlanBuilder::gatherable(const Node& n, const std::vector<int>& ins) const {
+  bool any = false;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    if (ins[i] < 0) continue;
+    const Placement p = placement(ins[i]);
+    if (p.is_replicate()) continue;
+    if (!p.is_shard()) return false;  // a token-local selection has no full length to gather
+    if (i == 0 && writes_into_first_operand(n)) return false;
+    const Dim& size = val(ins[i]).shape.at(static_cast<size_t>(p.dim));
+    // Only a split of the sequence itself: every rank holds S/P positions of each factor.
+    if (!size.has_seq() || size.power != 1 || size.offset != 0 || size.coef % p.inner != 0)
+      return false;
+    any = true;
+  }
+  return any && later_write_to_aliases(n) == nullptr;
+}
+
+int PlanBuilder::gather(int v, const SourceLoc& loc) {
+  auto it = gather_cache_.find(v);
+  if (it != gather_cache_.end()) return it->second;
+  const Placement p = placement(v);
+  const int id = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
+                      {{val(v), Placement::replicate()}}, loc)[0];
+  gather_cache_[v] = id;
+  gathered_values_.insert(id);
+  return id;
+}
+
+RuleResult PlanBuilder::decide_or_gather(const Node& n, const OpRule* rule, std::vector<int>& ins) {
+  try {
+    return decide(n, rule, ins);
+  } catch (const PlanError& refused) {
+    if (!cfg_.gather_unsupported || !gatherable(n, ins)) throw;
+    const PlanError original = refused;
+    std::vector<int> full = ins;
+    for (int& v : full)
+      if (v >= 0 && placement(v).is_shard()) v = gather(v, n.loc);
+    RuleResult res;
+    try {
+      res = decide(n, rule, full);
+    } catch (const PlanError&) {
+      throw original;  // the op needs more than full-length inputs; report what it was first
+    }
+    ins = std::move(full);
+    gathered_ops_.push_back(original.what());
+    return res;
+  }
+}
+
+}  // namespace autosp::plan_detail
