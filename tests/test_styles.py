@@ -46,7 +46,7 @@ STRICT_REFUSED = {
     "mamba2-chunked-ssd-hybrid": "pad",
 }
 
-WORLD4 = [s.name for s in styles.LISTED]
+WORLD4 = [s.name for s in styles.LISTED] + ["mamba2-chunked-ssd-hybrid"]  # + the gather fallback
 
 
 @functools.cache
