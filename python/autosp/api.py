@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autosp import guard
 from autosp.backend import BACKENDS, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
+from autosp.remat import POLICIES as REMAT_POLICIES
 
-REMAT_POLICIES = ("none", "default", "sequence-aware")
 OUTPUTS = ("full", "local")
 UNSUPPORTED = ("gather", "error")
 

@@ -20,8 +20,7 @@ from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
 from autosp.errors import AutospError, AutospGatherWarning, stage
-
-BACKENDS = ("inductor", "aot_eager")
+from autosp.remat import BACKENDS  # the backend names, defined once (remat.py)
 
 
 @dataclass
