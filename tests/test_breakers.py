@@ -393,6 +393,11 @@ CASES: dict[str, Case] = {
     "sdpa-mask-from-param": Case(_attn(_mask_from_param)),
     # outputs="local": a value computed on the gathered sequence is returned as a chunk too.
     "gather-output-local": Case(_lm(lambda m, h, ids: (h, None, h.flip(1))), outputs="local"),
+    # Arguments read by position (found by the second breaker review: all silently wrong).
+    "args-group-norm-seq-channels": Case(_lm(lambda m, h, ids: h + F.group_norm(h, 2))),
+    "args-norm-positional-p": Case(_lm(lambda m, h, ids: h / torch.norm(h, 2, 1, True))),
+    "args-var-positional-unbiased": Case(_lm(lambda m, h, ids: (h, h.var(0, True, False).mean(0).sum()))),
+    "args-layer-norm-size-shape": Case(_lm(lambda m, h, ids: h + F.layer_norm(h, h.shape[1:]))),
     # ---- einsum / scatter / gather / index / one_hot / complex --------------------------
     "einsum-linear": Case(_lm(lambda m, h, ids: torch.einsum("bsd,de->bse", h, m.proj.weight))),
     "einsum-contract-s": Case(_lm(lambda m, h, ids: (h, torch.einsum("bsd,bse->de", h, h).sum() * 1e-3))),
@@ -607,6 +612,9 @@ REFUSED = {
     "gather-write-base-after-view": "indexed or sliced along the sharded sequence dim 1",
     "gather-sdpa-mask-from-values": "found an attention mask placed S(3)",
     "gather-output-local": "no rule for 'flip' on a sequence-sharded tensor",
+    "args-group-norm-seq-channels": "normalised over dims >= 1",
+    "args-norm-positional-p": "'norm' over the whole sequence is not supported",
+    "args-layer-norm-size-shape": "normalised over dims >= 1",
 }
 
 # Refusals (above) that are exact by default: the op runs on the gathered sequence
@@ -618,7 +626,8 @@ GATHERED = {
     "combine-max-dim-keepdim-getitem", "combine-argmax", "combine-std", "combine-norm",
     "rand-bernoulli", "rand-rrelu", "rand-alpha-dropout", "scan-reverse-flip", "gather-along-s",
     "index-select-s", "scatter-add-s", "einsum-ellipsis", "einsum-attention",
-    "gather-sdpa-mask-from-values", "gather-output-local",
+    "gather-sdpa-mask-from-values", "gather-output-local", "args-group-norm-seq-channels",
+    "args-norm-positional-p", "args-layer-norm-size-shape",
 }
 
 # Cases where one device refuses the batch too: every rank must fail alike, with this text.
@@ -656,7 +665,8 @@ DEFAULT = set(BROKEN) | {
     "einsum-contract-s", "gather-token-logprob", "ids-negative", "flex-causal-gqa-kv1",
     "flex-score-mod-h", "pw-clamp-tensor-bounds", "gather-setitem-features",
     "gather-write-through-seq-view", "gather-write-base-after-view", "gather-sdpa-mask-from-values",
-    "sdpa-mask-from-param", "gather-output-local",
+    "sdpa-mask-from-param", "gather-output-local", "args-group-norm-seq-channels",
+    "args-norm-positional-p", "args-var-positional-unbiased", "args-layer-norm-size-shape",
 }
 
 

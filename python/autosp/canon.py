@@ -203,17 +203,44 @@ def _c_cast(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     return "to", _tensor_inputs(node, only=[0]), {}
 
 
+# Where dim and keepdim sit among a reduction's positional arguments: norm(x, p, dim, keepdim),
+# var/std(x, dim, unbiased, keepdim), the others (x, dim, keepdim).
+_REDUCTION_DIM_KEEPDIM = {"norm": (2, 3), "var": (1, 3), "std": (1, 3)}
+
+
+def _refuse_arguments(node: fx.Node, name: str, found: str, expected: str) -> None:
+    from autosp.bridge import source_loc
+    from autosp.errors import AutospError
+
+    raise AutospError(f"[autosp:bridge] op '{name}' at {source_loc(node)}: found {found}; expected "
+                      f"{expected}. autosp could not read this call's arguments; rather than "
+                      "guess, it stops here.")
+
+
 @_canon(*_REDUCTIONS)
 def _c_reduction(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     if name in ("max", "min") and len(node.args) > 1 and _is_tensor_node(node.args[1]):
         return ("maximum" if name == "max" else "minimum"), _tensor_inputs(node), {}
-    dims = _arg(node, 1, "dim")
+    dim_at, keepdim_at = _REDUCTION_DIM_KEEPDIM.get(name, (1, 2))
+    dims = _arg(node, dim_at, "dim")
     if dims is None:
         dims = node.kwargs.get("axis")
     if isinstance(dims, (int, fx.Node)):
         dims = [dims]
-    dims = [] if dims is None else [_norm(_int(d), xr) for d in dims]
-    keepdim = bool(_arg(node, 2, "keepdim", False))
+    if dims is not None and not all(isinstance(d, (int, fx.Node)) for d in dims):
+        _refuse_arguments(node, name, f"dim={dims!r}", "int dims")
+    dims = [] if dims is None else sorted({_norm(_int(d), xr) for d in dims})
+    keepdim = bool(_arg(node, keepdim_at, "keepdim", False))
+    # The traced result's rank checks the reading: a misread keepdim or dim would place the
+    # output's dims wrongly, silently.
+    out = _example(node)
+    out = out[0] if isinstance(out, (tuple, list)) and out else out
+    if isinstance(out, torch.Tensor):
+        want = xr if keepdim else xr - (len(dims) if dims else xr)
+        if out.dim() != want:
+            _refuse_arguments(node, name, f"a result of rank {out.dim()} for dims={dims}, "
+                              f"keepdim={keepdim} of a rank-{xr} input",
+                              f"rank {want}")
     return name, _tensor_inputs(node, only=[0]), {"dims": dims, "keepdim": keepdim}
 
 
@@ -229,9 +256,14 @@ def _c_topk(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
 
 @_canon("layer_norm", "rms_norm", "group_norm")
 def _c_norm(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    shape = _arg(node, 1, "normalized_shape")
-    count = len(shape) if isinstance(shape, (tuple, list)) else 1
-    return "layer_norm", _tensor_inputs(node), {"norm_dims": count}
+    if name == "group_norm":  # (x, num_groups, ...): statistics over every dim after the batch
+        return "layer_norm", _tensor_inputs(node), {"norm_dims": xr - 1}
+    shape = _example(_arg(node, 1, "normalized_shape"))  # a list, or a torch.Size (x.shape[1:])
+    if isinstance(shape, int):
+        shape = [shape]
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        _refuse_arguments(node, name, f"normalized_shape={shape!r}", "a list or torch.Size")
+    return "layer_norm", _tensor_inputs(node), {"norm_dims": len(shape)}
 
 
 # x.view_as(y), x.reshape_as(y), x.expand_as(y): y's shape, read at run time from the local
