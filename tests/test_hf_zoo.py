@@ -78,7 +78,6 @@ SUBSET_W2 = [
     "deepseek_v3",  # multi-head latent attention: new_empty + copy_ into slices
     "gemma3_text",  # sliding window + global layers
     "opt",          # view(saved shape) after a flattened op
-    "minimax",      # lightning attention: blocks along S run on the gathered sequence
     "jamba",        # known refusal: Mamba's scan slices the sequence
 ]
 
