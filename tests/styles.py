@@ -966,7 +966,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
     allow_flex_backward_on_cpu()
     torch._dynamo.reset()
     result: dict = {"name": name, "outcome": EXACT, "detail": "", "steps": [], "gathered": [],
-                    "gather_warnings": []}
+                    "gather_warnings": [], "tiled_masks": []}
     try:
         if mesh is None:
             mesh = autosp.init_mesh(world_size)
@@ -987,6 +987,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
                 str(w.message) for w in seen if issubclass(w.category, autosp.AutospGatherWarning)]
             loss.backward()
             result["gathered"] = compiled.gathered
+            result["tiled_masks"] = compiled.tiled_masks
             errs = relative_grad_errors(grads_of(model), ref_grads)
             bad = {k: v for k, v in errs.items() if not v <= grad_rtol}
             loss_diff = abs(loss.item() - ref_loss)

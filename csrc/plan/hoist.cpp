@@ -11,15 +11,13 @@
 
 namespace autosp::plan_detail {
 
-int PlanBuilder::hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
-  if (!hoist_ || val(v).requires_grad || !placement(v).is_replicate()) return -1;
-  const int pi = out_.producer(v);
-  if (pi < 0) return -1;
-  const Node p = out_.nodes[static_cast<size_t>(pi)];
-  if (p.origin < 0 || p.outputs.size() != 1) return -1;
-  const Value out = val(v);
+std::optional<std::vector<std::optional<std::pair<int, int64_t>>>> PlanBuilder::local_along(
+    const Node& p, int dim, int64_t inner) const {
+  using Req = std::vector<std::optional<std::pair<int, int64_t>>>;
+  if (p.outputs.size() != 1) return std::nullopt;
+  const Value& out = val(p.outputs[0]);
   const int ro = out.rank();
-  std::vector<std::optional<std::pair<int, int64_t>>> req(p.inputs.size());
+  Req req(p.inputs.size());
   auto aligned = [&](size_t i) -> bool {
     const Value& in = val(p.inputs[i]);
     const int k = dim - (ro - in.rank());
@@ -34,47 +32,59 @@ int PlanBuilder::hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc
       (p.op == "to" || p.op == "where" || p.op == "masked_fill" || p.op == "contiguous" ||
        p.op == "clone" || p.op == "alias" || rule->partial != PartialBehaviour::Reduce ||
        p.bool_attr("pointwise", false));
-  for (size_t i = 0; i < p.inputs.size(); ++i) {
-    if (p.inputs[i] < 0) continue;
-    if (!placement(p.inputs[i]).is_replicate() || val(p.inputs[i]).requires_grad) return -1;
-  }
   if ((p.op == "reshape" || p.op == "expand") && p.inputs.size() != 1)
-    return -1;  // view_as / expand_as: the shape comes from the other operand, whole
+    return std::nullopt;  // view_as / expand_as: the shape comes from the other operand, whole
   if (p.op == "reshape") {
-    if (p.inputs.empty()) return -1;
+    if (p.inputs.empty()) return std::nullopt;
     auto q = reshape_shard(out.shape, val(p.inputs[0]).shape, Placement::shard(dim, inner));
-    if (!q) return -1;
+    if (!q) return std::nullopt;
     req[0] = std::make_pair(q->dim, q->inner);
   } else if (p.op == "expand") {
-    if (p.inputs.empty() || !aligned(0)) return -1;
+    if (p.inputs.empty() || !aligned(0)) return std::nullopt;
   } else if (p.op == "permute") {
     const auto perm = p.ints_attr("perm");
-    if (dim >= static_cast<int>(perm.size())) return -1;
+    if (dim >= static_cast<int>(perm.size())) return std::nullopt;
     req[0] = std::make_pair(static_cast<int>(perm[static_cast<size_t>(dim)]), inner);
   } else if (p.op == "index") {
-    if (p.inputs.size() != 1) return -1;
+    if (p.inputs.size() != 1) return std::nullopt;
     const auto dim_map = p.ints_attr("dim_map");
     const auto sliced = p.ints_attr("sliced_dims");
     int k = -1;
     for (size_t j = 0; j < dim_map.size(); ++j)
       if (dim_map[j] == dim) k = static_cast<int>(j);
-    if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return -1;
+    if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return std::nullopt;
     req[0] = std::make_pair(k, inner);
   } else if (p.op == "cat") {
     int64_t cat_dim = p.int_attr("dim", 0);
     if (cat_dim < 0) cat_dim += ro;
-    if (cat_dim == dim) return -1;
+    if (cat_dim == dim) return std::nullopt;
     for (size_t i = 0; i < p.inputs.size(); ++i) req[i] = std::make_pair(dim, inner);
   } else if (elementwise) {
     for (size_t i = 0; i < p.inputs.size(); ++i)
-      if (p.inputs[i] >= 0 && val(p.inputs[i]).is_tensor() && !aligned(i)) return -1;
+      if (p.inputs[i] >= 0 && val(p.inputs[i]).is_tensor() && !aligned(i)) return std::nullopt;
   } else {
-    return -1;
+    return std::nullopt;
   }
+  return req;
+}
+
+int PlanBuilder::hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
+  if (!hoist_ || val(v).requires_grad || !placement(v).is_replicate()) return -1;
+  const int pi = out_.producer(v);
+  if (pi < 0) return -1;
+  const Node p = out_.nodes[static_cast<size_t>(pi)];
+  if (p.origin < 0 || p.outputs.size() != 1) return -1;
+  const Value out = val(v);
+  for (size_t i = 0; i < p.inputs.size(); ++i) {
+    if (p.inputs[i] < 0) continue;
+    if (!placement(p.inputs[i]).is_replicate() || val(p.inputs[i]).requires_grad) return -1;
+  }
+  const auto req = local_along(p, dim, inner);
+  if (!req) return -1;
   Node c = p;
   c.outputs.clear();
   for (size_t i = 0; i < p.inputs.size(); ++i)
-    if (req[i]) c.inputs[i] = slice(p.inputs[i], req[i]->first, req[i]->second, loc);
+    if ((*req)[i]) c.inputs[i] = slice(p.inputs[i], (*req)[i]->first, (*req)[i]->second, loc);
   c.attrs["clone"] = true;
   if (out.shape[static_cast<size_t>(dim)].has_seq())
     c.attrs["local_dims"] = std::vector<int64_t>{dim};

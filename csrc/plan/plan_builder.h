@@ -104,6 +104,23 @@ class PlanBuilder {
   // chunk, and no per-rank tensor stays O(S) wide. Returns -1 when it does not apply.
   int hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc);
 
+  // Whether the producer `p` of a value computes its part along `dim` from parts of its
+  // operands alone (the ops hoist_slice moves a slice through): for each operand, the dim that
+  // part lies along (and the chunk granularity `inner`), or nullopt where the operand is read
+  // whole (broadcast along `dim`). nullopt when `p` is not local along `dim`.
+  std::optional<std::vector<std::optional<std::pair<int, int64_t>>>> local_along(
+      const Node& p, int dim, int64_t inner) const;
+
+  // An attention mask as a recipe over query tiles (mask_tiles.cpp): the chain of ops that
+  // computes it from O(S) operands, replayed on each tile of query rows by sp's tiled
+  // attention, so that no [S, S] mask exists. nullopt when the mask is not such a chain.
+  struct MaskTiles {
+    std::vector<int> leaves;         // plan values the chain reads (the tiled op's operands)
+    std::vector<int64_t> leaf_dims;  // each leaf's query dim, -1 when it is read whole
+    std::vector<int64_t> chain;      // per chain node: origin, how, query dim, #in, ins, out
+  };
+  std::optional<MaskTiles> mask_tiles(int mask, int qdim) const;
+
   int reduce_partial(int v, const SourceLoc& loc);
 
   void emit_input(const Node& n);

@@ -293,7 +293,19 @@ void PlanBuilder::emit_sdpa(const Node& n) {
                     "local head index to the mods; pass per-head values through q/k/v instead.");
   const size_t per_head_end =
       flex ? 3 + static_cast<size_t>(n.int_attr("block_mask_inputs", 0)) : args.size();
-  for (size_t i = 3; i < args.size(); ++i) {
+  // An [S, S] SDPA mask computed from O(S) operands is not materialised: the tiled attention
+  // replays its chain on each tile of query rows (mask_tiles.cpp).
+  std::optional<MaskTiles> tiles;
+  if (!flex && args.size() == 4 && args[3] >= 0 && placement(args[3]).is_replicate()) {
+    const Value& m = val(args[3]);
+    const int r = m.rank();
+    const bool square = r >= 2 && m.shape[static_cast<size_t>(r - 2)].has_seq() &&
+                        m.shape[static_cast<size_t>(r - 1)].has_seq();
+    const bool per_head = r >= 3 && m.shape[static_cast<size_t>(r - 3)].is_static() &&
+                          m.shape[static_cast<size_t>(r - 3)].coef == Hq && Hq > 1;
+    if (square && !per_head && !m.requires_grad) tiles = mask_tiles(args[3], r - 2);
+  }
+  for (size_t i = 3; i < args.size() && !tiles; ++i) {
     if (args[i] < 0) continue;
     const Placement pm = placement(args[i]);
     if (!pm.is_replicate()) {
@@ -344,8 +356,15 @@ void PlanBuilder::emit_sdpa(const Node& n) {
   for (size_t i = 0; i < 3; ++i) args[i] = grad_sync_if_replicated(args[i], n.loc);
   // Every output ([B, H, S, D] attention, [B, H, S] logsumexp) goes back to the sequence
   // layout; exchanges of outputs nobody reads are dropped as dead code.
+  Attrs updates;
+  if (tiles) {
+    args.resize(3);
+    args.insert(args.end(), tiles->leaves.begin(), tiles->leaves.end());
+    updates["mask_tiles"] = tiles->chain;
+    updates["mask_leaf_dims"] = tiles->leaf_dims;
+  }
   const int idx =
-      copy_node(n, args, std::vector<Placement>(n.outputs.size(), Placement::shard(1)), {});
+      copy_node(n, args, std::vector<Placement>(n.outputs.size(), Placement::shard(1)), updates);
   const std::vector<int> outs = out_.nodes[static_cast<size_t>(idx)].outputs;
   for (size_t j = 0; j < outs.size(); ++j) {
     if (val(outs[j]).rank() < 3) continue;

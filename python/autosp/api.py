@@ -332,6 +332,13 @@ class SequenceParallelModule(nn.Module):
         (``unsupported="gather"``), each as the error autosp would have stopped with."""
         return [reason for rec in self.sp_backend.records for reason in rec.gathered]
 
+    @property
+    def tiled_masks(self) -> list[str]:
+        """The attention calls of every compiled graph whose ``[S, S]`` mask autosp never
+        materialises: it is computed from its O(S) operands one tile of query rows at a time
+        (see docs/sp.md, "Attention masks"). Each as its source location."""
+        return [loc for rec in self.sp_backend.records for loc in rec.tiled_masks]
+
 
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", average_dp: bool = True,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp import collectives
+from autosp import collectives, tiled_attention
 from autosp.bridge import BridgeResult
 from autosp.errors import AutospError, at_node
 
@@ -109,6 +109,11 @@ class _Replayer:
             if isinstance(ex, torch.SymInt) and self.seq_node is None:
                 if ex.node.expr in self.bridge.seq_symbols or _replaced(ex) in self.bridge.seq_symbols:
                     self.seq_node = nn
+        elif "mask_tiles" in cn.attrs:
+            # SDPA whose [S, S] mask is replayed per tile of query rows (tiled_attention).
+            nn = tiled_attention.emit(self.graph, fxn, cn, self.bridge,
+                                      [self.value_node(v) for v in cn.inputs], self.old_to_new)
+            nn.meta = copy.copy(fxn.meta)
         else:
             # Tensor operands are substituted below by path; the rest map to their copies.
             args = _to_mutable(fx.node.map_arg(fxn.args, lambda n: self.old_to_new.get(n, n)))

@@ -41,6 +41,9 @@ class CompileRecord:
     # Ops run on the all-gathered sequence (no sequence-parallel form for their sharded
     # inputs): for each, the error the plan would have stopped with.
     gathered: list[str] = field(default_factory=list)
+    # Attention calls whose [S, S] mask is computed one tile of query rows at a time
+    # (autosp.tiled_attention), each as its source location.
+    tiled_masks: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -159,6 +162,7 @@ class SequenceParallelBackend:
                 rec.stages.append(Stage("ulysses", str(plan), t2 - t1))
                 rec.collective_counts = dict(plan.collective_counts())
                 rec.gathered = list(plan.gathered)
+                rec.tiled_masks = [str(n.loc) for n in plan.graph.nodes if "mask_tiles" in n.attrs]
                 if rec.gathered:
                     warnings.warn(gather_warning(rec.gathered), AutospGatherWarning, stacklevel=2)
             with stage("apply"):

@@ -1,0 +1,225 @@
+"""Attention masks are never materialised at [S, S] per rank (autosp.tiled_attention).
+
+Under Ulysses every rank attends with all S queries of its heads, so a mask built in forward
+as ``[B, 1, S, S]`` would cost O(S^2) on every rank. autosp replays the mask's chain of ops
+on one tile of query rows at a time. Checked here:
+
+- the tiled attention op against ``F.scaled_dot_product_attention`` with the whole mask,
+  forward and backward, eager and through AOTAutograd, for bool and additive masks, GQA,
+  tiles that do not divide S (one process, no ranks);
+- a Hugging Face Llama called with a padding ``attention_mask`` (transformers builds a
+  ``[B, 1, S, S]`` causal-and-padding mask in forward) at world 2: exact against one device,
+  and, recording every tensor the compiled step produces, none has two dims of length S,
+  while the same step with the whole mask as one tile does (so the probe would see one);
+- the hand-written mask styles (``tril`` of ones, ``eye``, a padding mask ``&`` causal) with
+  tiles smaller than a rank's chunk and a last tile that is shorter: exact and tiled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import assert_step_exact, run_ranks
+
+RANK_TIMEOUT_S = 600.0
+
+
+# -- the op, one process ------------------------------------------------------------------
+
+def _recipe_for(mask: torch.Tensor) -> int:
+    """A recipe that returns rows [start, end) of ``mask`` (a leaf read whole, sliced by the
+    recipe graph itself as narrow(mask, -2, start, end - start))."""
+    import operator
+
+    import torch.fx as fx
+
+    from autosp import tiled_attention
+
+    g = fx.Graph()
+    start, end, leaf = g.placeholder("start"), g.placeholder("end"), g.placeholder("leaf0")
+    length = g.call_function(operator.sub, (end, start))
+    g.output(g.call_function(torch.narrow, (leaf, mask.dim() - 2, start, length)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    key = hash((mask.shape, mask.dtype)) & ((1 << 56) - 1)
+    tiled_attention._RECIPES[key] = gm
+    return key
+
+
+@pytest.mark.parametrize("tile", ["3", "16", "100"])
+@pytest.mark.parametrize("kind", ["bool-causal-pad", "float-bias", "gqa-bool"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tiled_op_matches_sdpa(tile: str, kind: str, compiled: bool, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOSP_MASK_TILE_ROWS", tile)
+    torch.manual_seed(0)
+    B, H, S, D = 2, 4, 16, 8
+    kv_heads = 2 if kind == "gqa-bool" else H
+    q = torch.randn(B, H, S, D, requires_grad=True)
+    k = torch.randn(B, kv_heads, S, D, requires_grad=True)
+    v = torch.randn(B, kv_heads, S, D, requires_grad=True)
+    pos = torch.arange(S)
+    causal = pos[None, :] <= pos[:, None]
+    if kind == "float-bias":
+        mask = torch.where(causal, -0.1 * (pos[:, None] - pos[None, :]).float(), float("-inf"))[None, None]
+    else:
+        pad = torch.ones(B, S, dtype=torch.bool)
+        pad[1, 11:] = False
+        mask = causal[None, None] & pad[:, None, None, :]
+        mask = mask | torch.eye(S, dtype=torch.bool)  # no empty row
+    gqa = kv_heads != H
+    key = _recipe_for(mask)
+
+    def tiled(q, k, v, mask):
+        return torch.ops.autosp.tiled_scaled_dot_product_attention(q, k, v, [mask], [], key, None, gqa)
+
+    fn = torch.compile(tiled, backend="aot_eager", fullgraph=True) if compiled else tiled
+    out = fn(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+
+
+# -- Hugging Face Llama with a padding mask, world 2 -------------------------------------
+
+S_HF = 48  # no model dim is 48: a tensor with two dims of 48 is [S, S]-like
+
+
+def _hf_worker(rank: int, world: int, tile_rows: str | None) -> dict:
+    import copy
+    import warnings
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import autosp
+    from distributed import grads_of
+
+    warnings.filterwarnings("ignore")
+    if tile_rows is None:
+        os.environ.pop("AUTOSP_MASK_TILE_ROWS", None)
+    else:
+        os.environ["AUTOSP_MASK_TILE_ROWS"] = tile_rows
+    mesh = autosp.init_mesh(world)
+    cfg = AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               attn_implementation="sdpa")
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (2, S_HF), generator=gen)
+    attention_mask = torch.ones(2, S_HF, dtype=torch.long)
+    attention_mask[1, 35:] = 0  # right padding within rank 1's chunk
+    labels = ids.masked_fill(attention_mask == 0, -100)
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+
+    square: list[tuple] = []
+    masks: set[tuple] = set()  # shapes of the 4-d boolean tensors (the masks' tiles)
+    on = [False]
+    from autosp import tiled_attention
+
+    own_ops = {op._opoverload: op._init_fn
+               for op in (tiled_attention.tiled_sdpa, tiled_attention.tiled_sdpa_backward)}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inner = own_ops.get(func)
+            if inner is not None:  # autosp's own op: its Python body, recorded too (a
+                with Record():     # mode is off while its handler runs)
+                    out = inner(*args, **(kwargs or {}))
+            else:
+                out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and sum(int(s) == S_HF for s in t.shape) >= 2:
+                    square.append((str(func), tuple(t.shape)))
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() == 4:
+                    masks.add(tuple(t.shape))
+            return out
+
+    # Every op the compiled forward and backward graphs run (and the ops inside autosp's
+    # custom ops), recorded from inside AOTAutograd's compiled functions (Dynamo does not
+    # run compiled code under a dispatch mode entered outside it).
+    backend_module = sys.modules["autosp.backend"]  # (autosp.backend is also a function)
+    plain = backend_module.eager_graph
+
+    def recorded(gm, example_inputs):
+        run = plain(gm, example_inputs)
+
+        def call(args):
+            if not on[0]:
+                return run(args)
+            with Record():
+                return run(args)
+
+        call._boxed_call = True
+        return call
+
+    backend_module.eager_graph = recorded
+
+    def loss_of(m):
+        return m(input_ids=ids, labels=labels, attention_mask=attention_mask, use_cache=False).loss
+
+    loss_of(compiled).backward()  # compiles
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    ref_loss = loss_of(ref)
+    ref_loss.backward()
+    model.zero_grad(set_to_none=True)
+    on[0] = True
+    loss = loss_of(compiled)
+    loss.backward()
+    on[0] = False
+    backend_module.eager_graph = plain
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grads": grads_of(model),
+            "ref_grads": grads_of(ref), "square": square, "masks": sorted(masks), "tiled": compiled.tiled_masks}
+
+
+@pytest.mark.parametrize("tile_rows", ["8", None], ids=["tiles-of-8", "one-tile"])
+def test_hf_padding_mask_has_no_s_by_s_tensor(tile_rows: str | None) -> None:
+    pytest.importorskip("transformers")
+    for rank, r in enumerate(run_ranks(2, _hf_worker, tile_rows, timeout=RANK_TIMEOUT_S)):
+        where = f"rank {rank} (tile rows {tile_rows})"
+        assert_step_exact(r, where)
+        assert r["tiled"], f"{where}: the mask was not tiled"
+        if tile_rows is None:
+            # The whole mask as one tile (S is small): the recorder must see it.
+            assert r["square"], f"{where}: the probe saw no [S, S] tensor even untiled"
+        else:
+            assert not r["square"], f"{where}: [S, S] tensors per rank: {r['square'][:5]}"
+            # The probe saw the tiles: [B, 1, 8, S] (and the last, shorter one).
+            assert (2, 1, 8, S_HF) in r["masks"], f"{where}: mask tiles seen: {r['masks']}"
+
+
+# -- hand-written mask styles -------------------------------------------------------------
+
+TILED_STYLES = ["llama-scratch-complex-rope", "llama-scratch-cos-sin-mha", "padded-causal-4d-mask"]
+
+
+def _styles_worker(rank: int, world: int, names: list[str]) -> list[dict]:
+    import warnings
+
+    import autosp
+    import styles
+
+    warnings.filterwarnings("ignore")
+    os.environ["AUTOSP_MASK_TILE_ROWS"] = "3"  # smaller than a chunk (8), the last tile short
+    mesh = autosp.init_mesh(world)
+    return [styles.run_case(n, styles.ALL[n].build, styles.ALL[n].inputs, world, 16, mesh=mesh)
+            for n in names]
+
+
+def test_styles_with_masks_exact_in_tiles() -> None:
+    import styles
+
+    for rank, results in enumerate(run_ranks(2, _styles_worker, TILED_STYLES, timeout=RANK_TIMEOUT_S)):
+        for r in results:
+            assert r["outcome"] == styles.EXACT, f"{r['name']} rank {rank}: {r['outcome']}: {r['detail']}"
+            assert r["tiled_masks"], f"{r['name']} rank {rank}: its mask was not tiled"
