@@ -61,15 +61,20 @@ int PlanBuilder::gather(int v, const SourceLoc& loc) {
   return id;
 }
 
+std::vector<int> PlanBuilder::gathered_inputs(const Node& n, std::vector<int> ins,
+                                              const PlanError& refused) {
+  if (!cfg_.gather_unsupported || !gatherable(n, ins)) throw refused;
+  for (int& v : ins)
+    if (v >= 0 && placement(v).is_shard()) v = gather(v, n.loc);
+  return ins;
+}
+
 RuleResult PlanBuilder::decide_or_gather(const Node& n, const OpRule* rule, std::vector<int>& ins) {
   try {
     return decide(n, rule, ins);
   } catch (const PlanError& refused) {
-    if (!cfg_.gather_unsupported || !gatherable(n, ins)) throw;
     const PlanError original = refused;
-    std::vector<int> full = ins;
-    for (int& v : full)
-      if (v >= 0 && placement(v).is_shard()) v = gather(v, n.loc);
+    std::vector<int> full = gathered_inputs(n, ins, original);
     RuleResult res;
     try {
       res = decide(n, rule, full);

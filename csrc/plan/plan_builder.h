@@ -171,6 +171,11 @@ class PlanBuilder {
   // sp.all_gather of a sharded value to full length (replicated), once per value.
   int gather(int v, const SourceLoc& loc);
 
+  // The gather fallback's step for an op `n` that `refused` stops at: `ins` with each sharded
+  // value gathered, or `refused` thrown where the fallback is off or cannot apply
+  // (gatherable). The caller records the refusal in gathered_ops_ once the op is placed.
+  std::vector<int> gathered_inputs(const Node& n, std::vector<int> ins, const PlanError& refused);
+
   std::map<int, int> gather_cache_;
   std::vector<std::string> gathered_ops_;
   // Replicated values computed from gathered ones (full-length stand-ins for sharded values).

@@ -315,8 +315,7 @@ void PlanBuilder::emit_sdpa(const Node& n) {
                               "does).");
       // A mask computed from sharded activations (a per-key bias): the gather fallback
       // gives every rank the whole of it.
-      if (!cfg_.gather_unsupported || !gatherable(n, {args[i]})) throw refused;
-      args[i] = gather(args[i], n.loc);
+      args[i] = gathered_inputs(n, {args[i]}, refused)[0];
       gathered_ops_.push_back(refused.what());
     }
     const Value& m = val(args[i]);
