@@ -76,6 +76,18 @@ class MaskLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), shift.reshape(-1), ignore_index=-100)
 
 
+class FixedLengthLM(nn.Module):
+    """Contracts the sequence with a weight dim (hidden == S): Dynamo fixes the length."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mix = nn.Parameter(torch.randn(hidden, hidden))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed(input_ids).transpose(1, 2) @ self.mix).sum()
+
+
 def _causal(b: int, s: int) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).contiguous()
 
@@ -320,6 +332,11 @@ def _setup_worker(rank: int, world: int) -> dict[str, Any]:
     assert_grads_close(grads_of(plain), grads_of(ref), rtol=1e-4, context=f"rank {rank} float mask")
     out["float_mask"] = (loss.item(), ref_loss.item())
 
+    # A model that makes Dynamo fix the length: the error says which input and why.
+    torch._dynamo.reset()
+    fixed = autosp.compile(FixedLengthLM(hidden=SEQ), mesh, backend="aot_eager", remat="none")
+    out["fixed_length"] = _outcome(lambda: fixed(ids))
+
     llama = autosp.compile(build_model(cfg), mesh, backend="aot_eager", remat="none")
     dist.destroy_process_group()
     out["forward_destroyed"] = _outcome(lambda: llama(ids, labels))
@@ -339,6 +356,11 @@ def test_setup_errors_and_masks() -> None:
         for case in ("bool_mask", "float_mask"):
             loss, ref = out[case]
             assert abs(loss - ref) <= 1e-5, (rank, case, loss, ref)
+        kind, msg = out["fixed_length"]
+        assert kind == "AutospError", out["fixed_length"]
+        assert msg.startswith(f"[autosp:bridge] found the inputs L['input_ids'] (length {SEQ}) with a "
+                              "fixed length in dim 1; expected token ids"), msg
+        assert "a matmul contracting the sequence with a weight" in msg, msg
         for case, tag in (("forward_destroyed", "forward"), ("compile_destroyed", "compile")):
             kind, msg = out[case]
             assert kind == "AutospError", out[case]

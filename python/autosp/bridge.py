@@ -331,15 +331,37 @@ def _unbacked_symbols(node: fx.Node) -> list[str]:
     return sorted(found)
 
 
+def _input_name(n: fx.Node) -> str:
+    """The user's name of a graph input (Dynamo's source, ``L['input_ids']``), else the node's."""
+    try:
+        name = n.meta["grapharg"].source.name
+    except (KeyError, AttributeError):
+        return str(n.target)
+    return str(name() if callable(name) else name)
+
+
 def fx_to_core(gm: fx.GraphModule, example_inputs: list[Any], seq_dim: int = 1) -> BridgeResult:
     """Translate a Dynamo FX graph into the core IR."""
     conv = _Converter(gm, seq_dim, example_inputs)
     result = conv.run()
     if not result.seq_symbols:
+        static = [(_input_name(n), _example(n).shape[seq_dim]) for n in gm.graph.nodes
+                  if n.op == "placeholder" and isinstance(_example(n), torch.Tensor)
+                  and _example(n).dim() > seq_dim and not _example(n).is_floating_point()]
+        found = (f"found the inputs {', '.join(f'{name} (length {size})' for name, size in static)} "
+                 f"with a fixed length in dim {seq_dim}" if static else
+                 f"found no input with a symbolic sequence length in dim {seq_dim}")
+        why = (" autosp.compile marks that dim dynamic, so Dynamo fixed it while tracing the model: "
+               "the model uses the length where only one value fits, typically an op that needs it "
+               "equal to a model dimension (a matmul contracting the sequence with a weight, a "
+               "reshape to a fixed size, a buffer of that length). Make that op independent of "
+               "the length, or report it if it is a torch op; a sequence length that equals no "
+               "model dimension shows whether a coincidence of sizes is the cause."
+               if static else
+               " autosp.compile marks it dynamic for you; if you call torch.compile with "
+               "autosp.backend directly, call torch._dynamo.mark_dynamic(input_ids, seq_dim) first.")
         raise AutospError(
-            "[autosp:bridge] found no input with a symbolic sequence length in dim "
-            f"{seq_dim}; expected token ids (or embeddings) whose dim {seq_dim} is the sequence. "
-            "autosp.compile marks it dynamic for you; if you call torch.compile with "
-            "autosp.backend directly, call torch._dynamo.mark_dynamic(input_ids, seq_dim) first."
+            f"[autosp:bridge] {found}; expected token ids (or embeddings) whose dim {seq_dim} is "
+            f"the sequence, with a length that can vary.{why}"
         )
     return result
