@@ -47,7 +47,7 @@ bool PlanBuilder::gatherable(const Node& n, const std::vector<int>& ins) const {
       return false;
     any = true;
   }
-  return any && later_write_to_aliases(n) == nullptr;
+  return any;
 }
 
 int PlanBuilder::gather(int v, const SourceLoc& loc) {
@@ -64,6 +64,20 @@ int PlanBuilder::gather(int v, const SourceLoc& loc) {
 std::vector<int> PlanBuilder::gathered_inputs(const Node& n, std::vector<int> ins,
                                               const PlanError& refused) {
   if (!cfg_.gather_unsupported || !gatherable(n, ins)) throw refused;
+  // A gathered value is a copy on each rank: a later in-place write through a view of the op's
+  // inputs or result, or into a tensor they view, would reach one and not the other.
+  if (const Node* w = later_write_to_aliases(n))
+    throw PlanError(kPass, *w,
+                    "an in-place '" + w->op + "' that writes, after op '" + n.op + "' at " +
+                        n.loc.file + ":" + std::to_string(n.loc.line) +
+                        ", into its inputs or result (or a tensor they view); that op has no "
+                        "sequence-parallel form, so it would run on the all-gathered sequence, "
+                        "where the write would reach a copy",
+                    "no in-place writes into, or through, the values of an op run on the "
+                    "gathered sequence",
+                    "Write out of place (y = x * mask, torch.where, torch.cat) instead. The op's "
+                    "own refusal: " +
+                        std::string(refused.what()));
   for (int& v : ins)
     if (v >= 0 && placement(v).is_shard()) v = gather(v, n.loc);
   return ins;

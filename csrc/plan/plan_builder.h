@@ -162,10 +162,8 @@ class PlanBuilder {
   RuleResult decide_or_gather(const Node& n, const OpRule* rule, std::vector<int>& ins);
 
   // Whether every non-replicated input of `n` can be gathered whole: sharded along an even
-  // split of the sequence (S or k*S, no positions dropped), not the destination of an
-  // in-place write or setitem (the write would land in the gathered copy, not in the tensor),
-  // and neither it nor n's result written in place later through an alias (a gathered view
-  // is a copy: writes through it, or into its base, would not reach the other).
+  // split of the sequence (S or k*S, no positions dropped) and not the destination of an
+  // in-place write or setitem (the write would land in the gathered copy, not in the tensor).
   bool gatherable(const Node& n, const std::vector<int>& ins) const;
 
   // sp.all_gather of a sharded value to full length (replicated), once per value.
@@ -173,7 +171,9 @@ class PlanBuilder {
 
   // The gather fallback's step for an op `n` that `refused` stops at: `ins` with each sharded
   // value gathered, or `refused` thrown where the fallback is off or cannot apply
-  // (gatherable). The caller records the refusal in gathered_ops_ once the op is placed.
+  // (gatherable). Where n's inputs or result are written in place later through an alias (a
+  // gathered view is a copy: the write would not reach the other), the error names that
+  // write. The caller records the refusal in gathered_ops_ once the op is placed.
   std::vector<int> gathered_inputs(const Node& n, std::vector<int> ins, const PlanError& refused);
 
   std::map<int, int> gather_cache_;
