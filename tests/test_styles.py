@@ -14,6 +14,7 @@ fused kernel) must be refused with a clear AutospError naming the op.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -48,6 +49,12 @@ STRICT_REFUSED = {
 
 WORLD4 = [s.name for s in styles.LISTED] + ["mamba2-chunked-ssd-hybrid"]  # + the gather fallback
 
+# Styles whose [S, S] attention mask autosp computes one tile of query rows at a time
+# (autosp.tiled_attention; every style runs with tiles of 3 rows). Strict both ways: a style
+# listed whose mask is no longer tiled fails, and so does one tiled without being listed.
+TILED_MASKS = {"llama-scratch-complex-rope", "llama-scratch-cos-sin-mha", "llama-scratch-cos-sin-kv2",
+               "padded-causal-4d-mask"}
+
 # Styles at world 2 that run only with -m slow (test_style_exact_world2_more): a second
 # variant of a form the default set already covers, or (the SSD hybrid, about 30 s) slow to
 # compile. The default suite keeps one style of each form, including one gathered style.
@@ -80,6 +87,8 @@ def _styles_worker(rank: int, world_size: int, names: list[str], seq_len: int) -
     import autosp
 
     warnings.filterwarnings("ignore")
+    # Masks computed in tiles of 3 query rows: fewer than a rank's chunk, the last tile short.
+    os.environ["AUTOSP_MASK_TILE_ROWS"] = "3"
     mesh = autosp.init_mesh(world_size)
     out = []
     for name in names:
@@ -134,6 +143,8 @@ def _check_world2(name: str) -> None:
     else:
         assert not r["gathered"], f"{name}: ops run on the gathered sequence: {r['gathered']}"
         assert not r["gather_warnings"], r["gather_warnings"]
+    assert bool(r["tiled_masks"]) == (name in TILED_MASKS), \
+        f"{name}: tiled masks {r['tiled_masks']}, expected {'some' if name in TILED_MASKS else 'none'}"
 
 
 @pytest.mark.slow
