@@ -72,7 +72,7 @@ def _sizes_at(args: list, kwargs: dict, first: int) -> tuple[list, Callable[[lis
     if "size" in kwargs:
         sizes = list(kwargs["size"])
         return sizes, lambda s: kwargs.__setitem__("size", tuple(s))
-    if len(args) == first + 1 and isinstance(args[first], (list, tuple)):
+    if len(args) > first and isinstance(args[first], (list, tuple)):  # ones((S, S)), full((S, S), v)
         return list(args[first]), lambda s: args.__setitem__(first, tuple(s))
     sizes = list(args[first:])
 
@@ -260,8 +260,9 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node]
     then the mask's operands)."""
     leaves = list(cn.inputs[3:])
     key, syms = build_recipe(bridge, list(cn.attrs["mask_tiles"]), list(cn.attrs["mask_leaf_dims"]), leaves)
+    # F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = fxn.kwargs.get("scale", fxn.args[6] if len(fxn.args) > 6 else None)
-    enable_gqa = bool(fxn.kwargs.get("enable_gqa", False))
+    enable_gqa = bool(fxn.kwargs.get("enable_gqa", fxn.args[7] if len(fxn.args) > 7 else False))
     if isinstance(scale, fx.Node):
         raise AssertionError("tiled attention: a scale computed in the graph")
     args = (ins[0], ins[1], ins[2], list(ins[3:]), [old_to_new[s] for s in syms], key,
