@@ -243,3 +243,121 @@ def _check_styles(inductor: bool) -> None:
 def test_styles_with_masks_exact_in_tiles_under_inductor() -> None:
     """The custom op through Inductor and the sequence-aware remat partitioner."""
     _check_styles(inductor=True)
+
+
+# -- mask forms (found by a breaker review): exact, and tiled where the mask is O(S)-built ---
+
+class _MaskedLM(torch.nn.Module):
+    """One attention layer whose mask comes from ``MASKS[form](model, ids, am)``; padding
+    positions' labels are ignored."""
+
+    def __init__(self, form: str, vocab: int = 64, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.form, self.heads = form, heads
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.out = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.embed(ids)
+        mask = MASKS[self.form](self, ids, am)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        logits = self.out(x + o.transpose(1, 2).reshape(b, s, -1))
+        if self.form == "mask-weighted-loss":  # a per-query weight read from the mask
+            w = mask.float().sum(-1)[:, 0]
+            per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            return (per_token * w).mean()
+        labels = labels.masked_fill(am == 0, -100)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def _pos(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.shape[1], device=ids.device)
+
+
+def _causal_pad(ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+    p = _pos(ids)
+    eye = torch.eye(ids.shape[1], dtype=torch.bool)  # no empty row
+    return (p[:, None] >= p[None, :])[None, None] & am[:, None, None, :].bool() | eye
+
+
+# form -> mask(model, ids, am); TILED: the forms whose mask is computed in tiles.
+MASKS = {
+    "where-float": lambda m, ids, am: torch.where(_causal_pad(ids, am), 0.0, float("-inf")),
+    "sliding-window": lambda m, ids, am: ((_pos(ids)[None, :] <= _pos(ids)[:, None])
+                                          & (_pos(ids)[None, :] > _pos(ids)[:, None] - 4)),
+    "documents-from-ids": lambda m, ids, am: (
+        (torch.cumsum((ids < 8).long(), 1)[:, :, None] == torch.cumsum((ids < 8).long(), 1)[:, None, :])
+        & (_pos(ids)[:, None] >= _pos(ids)[None, :]))[:, None],
+    "full-triu": lambda m, ids, am: torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1),
+    "type-as-hidden": lambda m, ids, am: (1.0 - _causal_pad(ids, am).type_as(m.embed(ids))) * -1e9,
+    "tril-expand": lambda m, ids, am: torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+    .expand(ids.shape[0], 1, ids.shape[1], ids.shape[1]),
+    "repeat-rows": lambda m, ids, am: am.bool()[:, None, None, :].repeat(1, 1, ids.shape[1], 1)
+    & _causal_pad(ids, am),
+    "expand-heads": lambda m, ids, am: _causal_pad(ids, am).expand(ids.shape[0], m.heads, ids.shape[1],
+                                                                   ids.shape[1]),
+    "mask-weighted-loss": lambda m, ids, am: _causal_pad(ids, am),
+}
+TILED = {"where-float", "sliding-window", "documents-from-ids", "full-triu", "type-as-hidden", "tril-expand",
+         "mask-weighted-loss"}
+
+
+def _form_inputs(seed: int, seq_len: int) -> tuple:
+    from distributed import make_batch
+
+    ids, labels = make_batch(64, 2, seq_len, seed)
+    am = torch.ones(2, seq_len, dtype=torch.long)
+    am[1, seq_len // 2 + 1:] = 0
+    return ids, labels, am
+
+
+def _forms_worker(rank: int, world: int, forms: list[str]) -> list[dict]:
+    import warnings
+
+    import autosp
+    import styles
+
+    warnings.filterwarnings("ignore")
+    os.environ["AUTOSP_MASK_TILE_ROWS"] = "5"
+    mesh = autosp.init_mesh(world)
+    out = [styles.run_case(f, lambda f=f: _MaskedLM(f), _form_inputs, world, 24, mesh=mesh) for f in forms]
+    out.append(_refilled_mask_case(mesh))
+    return out
+
+
+def _refilled_mask_case(mesh) -> dict:
+    """The [B, S] padding mask refilled in place between forward and backward (a loader that
+    reuses its buffer): one device's backward does not see it, nor may the tiles' recompute."""
+    import copy
+
+    import autosp
+    from distributed import grads_of, relative_grad_errors
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _MaskedLM("where-float")
+    ref = copy.deepcopy(model)
+    ids, labels, am = _form_inputs(3, 24)
+    ref_loss = ref(ids, labels, am.clone())
+    ref_loss.backward()
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+    loss = compiled(ids, labels, am)
+    am.fill_(1)
+    loss.backward()
+    errs = relative_grad_errors(grads_of(model), grads_of(ref))
+    return {"name": "refilled-mask", "outcome": "exact" if abs(loss.item() - ref_loss.item()) <= 1e-5
+            and max(errs.values()) <= 1e-4 else "mismatch", "detail": f"{loss.item()} {ref_loss.item()} {errs}",
+            "tiled_masks": compiled.tiled_masks}
+
+
+def test_mask_forms_exact_and_tiled_where_o_s() -> None:
+    forms = list(MASKS)
+    for rank, results in enumerate(run_ranks(2, _forms_worker, forms, timeout=RANK_TIMEOUT_S)):
+        for r in results:
+            where = f"{r['name']} rank {rank}"
+            assert r["outcome"] == "exact", f"{where}: {r['outcome']}: {r['detail'][:3000]}"
+            tiled = r["name"] in TILED or r["name"] == "refilled-mask"
+            assert bool(r["tiled_masks"]) == tiled, f"{where}: tiled {r['tiled_masks']}, expected {tiled}"

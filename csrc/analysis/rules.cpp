@@ -88,6 +88,12 @@ const OpRule* rule_for(const Node& n) {
   return n.bool_attr("pointwise", false) ? &pointwise : nullptr;
 }
 
+bool is_elementwise(const Node& n) {
+  if (n.op == "where" || n.op == "masked_fill") return true;
+  const OpRule* rule = rule_for(n);
+  return rule != nullptr && (rule->fn == rule_elementwise || rule->fn == rule_identity);
+}
+
 RuleResult local_rule(const RuleInput& r) { return rule_local(r); }
 
 std::vector<std::string> registered_ops() {

@@ -78,6 +78,12 @@ const OpRule* find_rule(const std::string& op);
 //   {op="expm1", attrs={pointwise=true}} -> the elementwise rule; {op="expm1"} -> nullptr.
 const OpRule* rule_for(const Node& n);
 
+// Whether each element of the node's result is computed from the elements at the same
+// position of its (broadcast) operands alone: ops with the elementwise rule (registered, or
+// pointwise by torch's tag), where, masked_fill and aliases. Reductions, repeats and views
+// that move elements are not, whatever their partial behaviour.
+bool is_elementwise(const Node& n);
+
 // The rule for a node with a token-local operand (Placement::Local: a data-dependent
 // selection of this rank's tokens, see rules_local.cpp), from the family of its op's rule:
 // row-by-row ops keep the selection, index_add_ at its positions writes it back into the

@@ -26,12 +26,7 @@ std::optional<std::vector<std::optional<std::pair<int, int64_t>>>> PlanBuilder::
     req[i] = std::make_pair(k, inner);
     return true;
   };
-  const OpRule* rule = rule_for(p);
-  const bool elementwise =
-      rule != nullptr && p.op != "dropout" && p.op != "layer_norm" &&
-      (p.op == "to" || p.op == "where" || p.op == "masked_fill" || p.op == "contiguous" ||
-       p.op == "clone" || p.op == "alias" || rule->partial != PartialBehaviour::Reduce ||
-       p.bool_attr("pointwise", false));
+  const bool elementwise = is_elementwise(p);
   if ((p.op == "reshape" || p.op == "expand") && p.inputs.size() != 1)
     return std::nullopt;  // view_as / expand_as: the shape comes from the other operand, whole
   if (p.op == "reshape") {
@@ -79,6 +74,10 @@ int PlanBuilder::hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc
     if (p.inputs[i] < 0) continue;
     if (!placement(p.inputs[i]).is_replicate() || val(p.inputs[i]).requires_grad) return -1;
   }
+  // The size arguments of expand / reshape are localised along sequence dims only
+  // (local_dims): a slice of another dim (the heads) is not moved through them.
+  if ((p.op == "expand" || p.op == "reshape") && !out.shape[static_cast<size_t>(dim)].has_seq())
+    return -1;
   const auto req = local_along(p, dim, inner);
   if (!req) return -1;
   Node c = p;

@@ -66,7 +66,10 @@ std::optional<PlanBuilder::MaskTiles> PlanBuilder::mask_tiles(int mask, int qdim
     const int pi = out_.producer(v);
     if (d < 0 || pi < 0) return seen[{v, d}] = leaf();
     const Node& p = out_.nodes[static_cast<size_t>(pi)];
-    if (p.origin < 0 || p.outputs.size() != 1 || changed_when_applied(p))
+    // A tensor read for its metadata only (refs: x.to(y), x.type_as(y)) is replayed as y's
+    // dtype for a cast; other such reads are not replayed.
+    if (p.origin < 0 || p.outputs.size() != 1 || changed_when_applied(p) ||
+        (p.has_attr("refs") && p.op != "to"))
       return seen[{v, d}] = leaf();
     const int rank = x.rank();
     int64_t how = kPlain;

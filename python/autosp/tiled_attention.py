@@ -91,6 +91,24 @@ def eye_rows(start: int, end: int, n: int, m: int | None = None, *, dtype: torch
     return (rows == cols).to(dtype if dtype is not None else torch.get_default_dtype())
 
 
+def _target_name(fxn: fx.Node) -> str:
+    t = fxn.target
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
+
+
+def _operands(fxn: fx.Node, paths: list) -> list[fx.Node]:
+    """The FX nodes at an op's operand paths (the tensors the core sees as its inputs)."""
+    found = []
+    for path in paths:
+        where, key, *rest = path
+        a = fxn.args[key] if where == "args" else fxn.kwargs.get(key)
+        for k in rest:
+            a = a[k]
+        if isinstance(a, fx.Node):
+            found.append(a)
+    return found
+
+
 def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
                  leaves: list[int]) -> tuple[int, list[fx.Node]]:
     """Register the recipe of a tiled mask; returns its key and the input-graph nodes of the
@@ -100,9 +118,16 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
     entries = _decode(chain)
     fx_nodes = [bridge.fx_nodes[origin] for origin, *_ in entries]
     syms: list[fx.Node] = []
-    for fxn in fx_nodes:
+    dtypes: dict[fx.Node, torch.dtype] = {}  # x.to(y) / x.type_as(y): y read for its dtype
+    for (origin, *_), fxn in zip(entries, fx_nodes):
+        at_paths = set(_operands(fxn, bridge.input_paths[origin]))
         for a in _nodes_in((fxn.args, fxn.kwargs)):
             ex = a.meta.get("example_value")
+            if isinstance(ex, torch.Tensor) and a not in at_paths:
+                if _target_name(fxn) not in ("to", "type_as"):
+                    raise AssertionError(f"mask recipe: {fxn.name} reads {a.name} outside its operands")
+                dtypes[a] = ex.dtype
+                continue
             if isinstance(ex, torch.Tensor) or a in syms:
                 continue
             if not isinstance(ex, (int, torch.SymInt)):
@@ -120,9 +145,11 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
     out = None
     for (origin, how, qdim, pairs, out_vid), fxn in zip(entries, fx_nodes):
         paths = bridge.input_paths[origin]
-        args = _to_mutable(fx.node.map_arg(fxn.args, lambda n: sym_ph.get(n, n)))
-        kwargs = {k: _to_mutable(v) for k, v in
-                  fx.node.map_arg(dict(fxn.kwargs), lambda n: sym_ph.get(n, n)).items()}
+        def local(n: fx.Node) -> Any:
+            return dtypes[n] if n in dtypes else sym_ph.get(n, n)
+
+        args = _to_mutable(fx.node.map_arg(fxn.args, local))
+        kwargs = {k: _to_mutable(v) for k, v in fx.node.map_arg(dict(fxn.kwargs), local).items()}
         for (vid, d), path in zip(pairs, paths):
             if vid >= 0:
                 _set_path(args, kwargs, path, env[(vid, d)])
@@ -146,6 +173,8 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
         args = _to_tuples(args, fxn.args)
         kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
         target, kind = fxn.target, fxn.op
+        if _target_name(fxn) == "type_as":  # x.type_as(y): the cast to y's dtype
+            target, kind = "to", "call_method"
         if how == _EYE_ROWS:
             target, kind, args = eye_rows, "call_function", (start, end, *args)
         stale = [n for n in _nodes_in((args, kwargs)) if n.graph is not g]
@@ -216,8 +245,11 @@ def tiled_sdpa_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k and v: each tile's forward recomputed and back-propagated."""
     dq = torch.empty_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    # The keys' and values' gradients are sums over tiles: accumulated in fp32 (one SDPA
+    # backward accumulates them internally), cast once.
+    acc = torch.promote_types(k.dtype, torch.float32)
+    dk = torch.zeros_like(k, dtype=acc)
+    dv = torch.zeros_like(v, dtype=acc)
     with _autograd_inside_op(), torch.enable_grad():
         kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
         for s, e in _tiles(q, k):
@@ -228,7 +260,7 @@ def tiled_sdpa_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             dq[..., s:e, :] = gq
             dk += gk
             dv += gv
-    return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @tiled_sdpa_backward.register_fake
@@ -238,7 +270,10 @@ def _(grad, q, k, v, leaves, syms, recipe, scale, enable_gqa):
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     q, k, v, leaves, syms, recipe, scale, enable_gqa = inputs
-    ctx.save_for_backward(q, k, v, *leaves)
+    # The mask's operands are saved as copies (O(S) each): a batch tensor the caller refills
+    # between forward and backward (a reused loader buffer) must not change the mask the
+    # backward recomputes, as it does not change the mask one device computed in forward.
+    ctx.save_for_backward(q, k, v, *[t.clone() for t in leaves])
     ctx.syms, ctx.recipe, ctx.scale, ctx.enable_gqa = syms, recipe, scale, enable_gqa
 
 
