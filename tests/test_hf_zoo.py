@@ -77,7 +77,6 @@ SUBSET_W2 = [
     "mixtral",      # MoE top-k routing (batched_mm experts)
     "deepseek_v3",  # multi-head latent attention: new_empty + copy_ into slices
     "gemma3_text",  # sliding window + global layers
-    "opt",          # view(saved shape) after a flattened op
     "jamba",        # known refusal: Mamba's scan slices the sequence
 ]
 

@@ -19,6 +19,7 @@ on one tile of query rows at a time. Checked here:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -94,11 +95,22 @@ def test_tiled_op_matches_sdpa(tile: str, kind: str, compiled: bool, monkeypatch
 S_HF = 48  # no model dim is 48: a tensor with two dims of 48 is [S, S]-like
 
 
-def _hf_worker(rank: int, world: int, tile_rows_list: list) -> list[dict]:
+HF_TILE_ROWS = ["8", None]  # tiles of 8 rows; the whole mask as one tile (S is small)
+
+
+def _worker(rank: int, world: int) -> dict[str, list[dict]]:
+    """Every world-2 case of this file, in one spawn of two ranks."""
     import autosp
 
     mesh = autosp.init_mesh(world)
-    return [_hf_case(mesh, t) for t in tile_rows_list]
+    hf = [_hf_case(mesh, t) for t in HF_TILE_ROWS]
+    return {"hf": hf, "forms": _forms(mesh, list(MASKS))}
+
+
+@functools.cache
+def _results() -> tuple[dict[str, list[dict]], ...]:
+    pytest.importorskip("transformers")
+    return tuple(run_ranks(2, _worker, timeout=RANK_TIMEOUT_S))
 
 
 def _hf_case(mesh, tile_rows: str | None) -> dict:
@@ -192,10 +204,8 @@ def _hf_case(mesh, tile_rows: str | None) -> dict:
 
 
 def test_hf_padding_mask_has_no_s_by_s_tensor() -> None:
-    pytest.importorskip("transformers")
-    settings = ["8", None]  # tiles of 8 rows; the whole mask as one tile (S is small)
-    for rank, results in enumerate(run_ranks(2, _hf_worker, settings, timeout=RANK_TIMEOUT_S)):
-        for tile_rows, r in zip(settings, results):
+    for rank, results in enumerate(_results()):
+        for tile_rows, r in zip(HF_TILE_ROWS, results["hf"]):
             where = f"rank {rank} (tile rows {tile_rows})"
             assert_step_exact(r, where)
             assert r["tiled"], f"{where}: the mask was not tiled"
@@ -314,16 +324,14 @@ def _form_inputs(seed: int, seq_len: int) -> tuple:
     return ids, labels, am
 
 
-def _forms_worker(rank: int, world: int, forms: list[str]) -> list[dict]:
+def _forms(mesh, forms: list[str]) -> list[dict]:
     import warnings
 
-    import autosp
     import styles
 
     warnings.filterwarnings("ignore")
     os.environ["AUTOSP_MASK_TILE_ROWS"] = "5"
-    mesh = autosp.init_mesh(world)
-    out = [styles.run_case(f, lambda f=f: _MaskedLM(f), _form_inputs, world, 24, mesh=mesh) for f in forms]
+    out = [styles.run_case(f, lambda f=f: _MaskedLM(f), _form_inputs, 2, 24, mesh=mesh) for f in forms]
     out.append(_refilled_mask_case(mesh))
     return out
 
@@ -354,9 +362,8 @@ def _refilled_mask_case(mesh) -> dict:
 
 
 def test_mask_forms_exact_and_tiled_where_o_s() -> None:
-    forms = list(MASKS)
-    for rank, results in enumerate(run_ranks(2, _forms_worker, forms, timeout=RANK_TIMEOUT_S)):
-        for r in results:
+    for rank, results in enumerate(_results()):
+        for r in results["forms"]:
             where = f"{r['name']} rank {rank}"
             assert r["outcome"] == "exact", f"{where}: {r['outcome']}: {r['detail'][:3000]}"
             tiled = r["name"] in TILED or r["name"] == "refilled-mask"

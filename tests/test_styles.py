@@ -64,6 +64,7 @@ SLOW_W2 = {
     "moe-dense-gates-aux",         # moe-index-add-aux
     "llama-scratch-cos-sin-kv2",   # llama-scratch-cos-sin-mha, sdpa-enable-gqa-kv2
     "conv1d-same-dilated",         # causal-conv1d-mixer
+    "shift-inside-multi-token",    # shift-inside (and -m slow's Inductor run of it)
 }
 assert SLOW_W2 <= set(styles.ALL), SLOW_W2 - set(styles.ALL)
 
