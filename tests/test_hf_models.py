@@ -166,6 +166,7 @@ def test_hf_models_world2() -> None:
     _check(results, world_size, specs)
 
 
+@pytest.mark.slow  # world 4 is covered by default in test_sp_exact (the reference Llama)
 def test_hf_models_world4() -> None:
     """P=4: Qwen2 with 2 KV heads (fewer than ranks: repeated before the exchange), S=32."""
     world_size = 4

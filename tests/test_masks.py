@@ -95,7 +95,7 @@ def test_tiled_op_matches_sdpa(tile: str, kind: str, compiled: bool, monkeypatch
 S_HF = 48  # no model dim is 48: a tensor with two dims of 48 is [S, S]-like
 
 
-HF_TILE_ROWS = ["8", None]  # tiles of 8 rows; the whole mask as one tile (S is small)
+HF_TILE_ROWS = ["8"]  # tiles of 8 rows (the whole mask as one tile: -m slow)
 
 
 def _worker(rank: int, world: int) -> dict[str, list[dict]]:
@@ -204,8 +204,26 @@ def _hf_case(mesh, tile_rows: str | None) -> dict:
 
 
 def test_hf_padding_mask_has_no_s_by_s_tensor() -> None:
-    for rank, results in enumerate(_results()):
-        for tile_rows, r in zip(HF_TILE_ROWS, results["hf"]):
+    _check_hf(_results(), HF_TILE_ROWS)
+
+
+@pytest.mark.slow
+def test_hf_probe_sees_the_whole_mask_in_one_tile() -> None:
+    """The recorder's own check: with the whole mask as one tile it must see [S, S] tensors."""
+    _check_hf(tuple(run_ranks(2, _hf_only_worker, [None], timeout=RANK_TIMEOUT_S)), [None])
+
+
+def _hf_only_worker(rank: int, world: int, tile_rows: list) -> dict[str, list[dict]]:
+    import autosp
+
+    mesh = autosp.init_mesh(world)
+    return {"hf": [_hf_case(mesh, t) for t in tile_rows]}
+
+
+def _check_hf(per_rank: tuple, settings: list) -> None:
+    pytest.importorskip("transformers")
+    for rank, results in enumerate(per_rank):
+        for tile_rows, r in zip(settings, results["hf"]):
             where = f"rank {rank} (tile rows {tile_rows})"
             assert_step_exact(r, where)
             assert r["tiled"], f"{where}: the mask was not tiled"

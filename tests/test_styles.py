@@ -65,6 +65,7 @@ SLOW_W2 = {
     "llama-scratch-cos-sin-kv2",   # llama-scratch-cos-sin-mha, sdpa-enable-gqa-kv2
     "conv1d-same-dilated",         # causal-conv1d-mixer
     "shift-inside-multi-token",    # shift-inside (and -m slow's Inductor run of it)
+    "sinusoidal-transposed-ce-smoothing",  # positions and CE forms of the generator's models
 }
 assert SLOW_W2 <= set(styles.ALL), SLOW_W2 - set(styles.ALL)
 
