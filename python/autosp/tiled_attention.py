@@ -41,7 +41,7 @@ TILE_ELEMENTS = 1 << 28
 _RECIPES: dict[int, Callable[..., torch.Tensor]] = {}
 
 
-def tile_rows(batch: int, rows: int, keys: int) -> int:
+def tile_rows(batch: int, keys: int) -> int:
     env = os.environ.get("AUTOSP_MASK_TILE_ROWS")
     if env:
         return max(1, int(env))
@@ -58,12 +58,6 @@ def _decode(chain: list[int]) -> list[tuple[int, int, int, list[tuple[int, int]]
         out.append((origin, how, qdim, pairs, chain[i]))
         i += 1
     return out
-
-
-def _nodes_in(a: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(a, lambda n: found.append(n) or n)
-    return found
 
 
 def _sizes_at(args: list, kwargs: dict, first: int) -> tuple[list, Callable[[list], None]]:
@@ -113,7 +107,7 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
                  leaves: list[int]) -> tuple[int, list[fx.Node]]:
     """Register the recipe of a tiled mask; returns its key and the input-graph nodes of the
     non-tensor arguments (sizes) it reads, which the caller passes as ``syms``."""
-    from autosp.apply import _set_path, _to_mutable, _to_tuples
+    from autosp.apply import _nodes_in, _set_path, _to_mutable, _to_tuples
 
     entries = _decode(chain)
     fx_nodes = [bridge.fx_nodes[origin] for origin, *_ in entries]
@@ -198,7 +192,7 @@ def _recipe(key: int) -> Callable[..., torch.Tensor]:
 
 def _tiles(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
     rows, keys = q.shape[-2], k.shape[-2]
-    t = tile_rows(q.shape[0] if q.dim() == 4 else 1, rows, keys)
+    t = tile_rows(q.shape[0] if q.dim() == 4 else 1, keys)
     return [(s, min(rows, s + t)) for s in range(0, rows, t)]
 
 
