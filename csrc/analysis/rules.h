@@ -1,7 +1,10 @@
-// The op-rule registry: one entry per canonical op, saying how placements flow through
-// it. A rule either propagates (outputs get placements), asks for a cheap local slice of
-// a replicated operand, asks for a partial operand to be reduced, or throws a PlanError
-// naming the conflict. An op without a rule is fine while every operand is replicated
+// The op table: one row per canonical op. Its columns: the placement rule (how placements
+// flow through the op), how Partial(sum) operands pass through it, where each part of its
+// result comes from (its locality, the inverse slice hoisting and mask tiling read), and how
+// the plan builder emits it (the generic rule-driven emitter, or attention's all-to-alls and
+// cross-entropy's token-wise loss). A rule either propagates (outputs get placements), asks for a
+// cheap local slice of a replicated operand, asks for a partial operand to be reduced, or throws a
+// PlanError naming the conflict. An op without a rule is fine while every operand is replicated
 // (each rank computes what the single device computes) and an error otherwise.
 //
 // Example: `mul` with operands [Shard(1) f32[2, S, 64], Replicate f32[1, S, 64]] returns
@@ -43,13 +46,24 @@ struct RuleInput {
   int64_t sp_size = 1;
 };
 
+// How the plan builder expands a node a rule placed (RuleResult::expansion).
+enum class Expansion {
+  None,         // the node itself, with the rule's placements
+  MeanPartial,  // mean over the sharded dim: local sum / global count (partial)
+  Halo,         // a conv along the sharded dim: sp.halo exchanges the neighbours' positions
+  Shift,        // a slice dropping positions at the sequence's ends: sp.shift
+  Scan,         // cumsum & co. along the sharded dim: local scan + the earlier ranks' totals
+  Combine,      // a reduction over the sharded dim: local reduction, combined over ranks
+};
+
+// "" for None, else "mean_partial", "halo", "shift", "scan" or "combine".
+const char* expansion_name(Expansion e);
+
 struct RuleResult {
   std::vector<Placement> out;
   std::vector<OperandChange> operands;  // one per node input
   Attrs attr_updates;
-  // Set when the driver must expand the node into several ("mean_partial",
-  // "cross_entropy_partial"); empty for a plain propagation.
-  std::string expansion;
+  Expansion expansion = Expansion::None;
 };
 
 using RuleFn = RuleResult (*)(const RuleInput&);
@@ -64,24 +78,51 @@ enum class PartialBehaviour {
              // to an integer or narrower float it would truncate/round each rank's summand
 };
 
-struct OpRule {
-  RuleFn fn = nullptr;
-  PartialBehaviour partial = PartialBehaviour::Reduce;
+// Where each part of an op's result along a dim comes from: the table's column that slice
+// hoisting (PlanBuilder::local_along) and mask tiling (PlanBuilder::mask_tiles) read.
+enum class Locality {
+  None,         // parts read the whole of some operand (matmul, reductions, random ops)
+  Elementwise,  // each element from the same position of its (broadcast) operands
+  Reshape,      // the same elements, regrouped (reshape_shard maps the dim)
+  Expand,       // broadcast: local along the dims it does not broadcast
+  Permute,      // the dim moved to perm[dim]
+  Index,        // basic indexing: local along dims it takes whole
+  Cat,          // cat: local along the dims it does not concatenate
+  Triangle,     // tril/triu: rows of the result from rows of the operand, diagonal shifted
+  Factory,      // ones/zeros/full/empty: a tile is the factory with the tile's size
+  Eye,          // eye(n): a tile of rows is a shifted diagonal
 };
 
-// The rule registered for a canonical op, or nullptr when none is.
+// How the plan builder emits the op.
+enum class Emitter {
+  Rule,          // apply the placement rule (no rule: the op runs only on replicated values)
+  Attention,     // sdpa / flex_attention: Ulysses all-to-alls around the kernel
+  CrossEntropy,  // the loss over each rank's tokens, reduced over the group
+};
+
+struct OpRule {
+  RuleFn fn = nullptr;  // nullptr: no placement rule (replicated operands only)
+  PartialBehaviour partial = PartialBehaviour::Reduce;
+  Locality locality = Locality::None;
+  Emitter emitter = Emitter::Rule;
+};
+
+// The table's row for a canonical op, or nullptr when it has none.
 const OpRule* find_rule(const std::string& op);
 
-// The rule for a node: its op's registered rule, else the elementwise rule when the node is
+// The row for a node: its op's row, else the elementwise row when the node is
 // marked pointwise (attribute "pointwise", set by the bridge from torch.Tag.pointwise: the
 // pointwise set is PyTorch's, not a list kept here), else nullptr.
 //   {op="expm1", attrs={pointwise=true}} -> the elementwise rule; {op="expm1"} -> nullptr.
 const OpRule* rule_for(const Node& n);
 
+// The node's locality column (Locality::None for an op without a row).
+Locality locality_of(const Node& n);
+
 // Whether each element of the node's result is computed from the elements at the same
-// position of its (broadcast) operands alone: ops with the elementwise rule (registered, or
-// pointwise by torch's tag), where, masked_fill and aliases. Reductions, repeats and views
-// that move elements are not, whatever their partial behaviour.
+// position of its (broadcast) operands alone (locality Elementwise: rows so marked, and ops
+// pointwise by torch's tag). Reductions, repeats and views that move elements are not,
+// whatever their partial behaviour.
 bool is_elementwise(const Node& n);
 
 // The rule for a node with a token-local operand (Placement::Local: a data-dependent
@@ -90,7 +131,7 @@ bool is_elementwise(const Node& n);
 // sharded tokens, a sum over it is partial. Throws PlanError for ops that would mix its rows.
 RuleResult local_rule(const RuleInput& r);
 
-// The ops with a registered rule, sorted (for documentation and tests).
+// The ops with a placement rule or their own emitter, sorted (for documentation and tests).
 std::vector<std::string> registered_ops();
 
 // Where a Shard(dim, inner) of a tensor of shape `in` lands after a reshape to `out`;

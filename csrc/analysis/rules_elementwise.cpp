@@ -91,7 +91,7 @@ RuleResult rule_reduction(const RuleInput& r) {
   if (r.node.op == "sum") return keep_all(r, {Placement::partial()});
   if (r.node.op == "mean") {
     RuleResult res = keep_all(r, {Placement::partial()});
-    res.expansion = "mean_partial";
+    res.expansion = Expansion::MeanPartial;
     return res;
   }
   // Reductions that combine across ranks by the same reduction: reduce the local chunk, then
@@ -101,7 +101,7 @@ RuleResult rule_reduction(const RuleInput& r) {
                                                    "prod", "max",  "min"};
   if (combinable.count(r.node.op) && r.node.outputs.size() == 1) {
     RuleResult res = keep_all(r, {Placement::replicate()});
-    res.expansion = "combine";
+    res.expansion = Expansion::Combine;
     return res;
   }
   conflict(
@@ -125,7 +125,7 @@ RuleResult rule_along_dim(const RuleInput& r) {
       x.shape[static_cast<size_t>(d)].has_seq() && x.shape[static_cast<size_t>(d)].coef == 1 &&
       x.shape[static_cast<size_t>(d)].power == 1) {
     RuleResult res = keep_all(r, {r.in[0]});
-    res.expansion = "scan";
+    res.expansion = Expansion::Scan;
     return res;
   }
   if (d == r.in[0].dim) {

@@ -49,7 +49,7 @@ RuleResult rule_index(const RuleInput& r) {
     if (r.in[0].inner == 1 && plain(in_size) && plain(out_size) && start >= 0 &&
         start <= in_size.offset - out_size.offset) {
       RuleResult res = keep_all(r, {Placement::shard(static_cast<int>(dim_map[d]))});
-      res.expansion = "shift";
+      res.expansion = Expansion::Shift;
       res.attr_updates["shift_dim"] = int64_t{d};
       res.attr_updates["shift_start"] = start;
       res.attr_updates["shift_offset"] = out_size.offset;
@@ -169,7 +169,7 @@ RuleResult rule_conv1d(const RuleInput& r) {
              "no wider than dilation*(kernel-1) on the left",
              sliced_sequence_hint(size));
   RuleResult res = keep_all(r, {p});
-  res.expansion = "halo";
+  res.expansion = Expansion::Halo;
   res.attr_updates["halo_left"] = left;
   res.attr_updates["halo_right"] = span - left;
   res.attr_updates["halo_last_pad"] = right;

@@ -18,7 +18,7 @@ namespace autosp::plan_detail {
 
 RuleResult PlanBuilder::decide(const Node& n, const OpRule* rule, const std::vector<int>& ins) {
   if (auto local = token_local(n, ins)) return std::move(*local);
-  if (rule) return call_rule(*rule, n, ins);
+  if (rule && rule->fn) return call_rule(rule->fn, n, ins);
   for (size_t i = 0; i < ins.size(); ++i)
     if (!placement(ins[i]).is_replicate())
       throw PlanError(kPass, n,

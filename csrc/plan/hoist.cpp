@@ -26,39 +26,54 @@ std::optional<std::vector<std::optional<std::pair<int, int64_t>>>> PlanBuilder::
     req[i] = std::make_pair(k, inner);
     return true;
   };
-  const bool elementwise = is_elementwise(p);
-  if ((p.op == "reshape" || p.op == "expand") && p.inputs.size() != 1)
+  const Locality locality = locality_of(p);
+  if ((locality == Locality::Reshape || locality == Locality::Expand) && p.inputs.size() != 1)
     return std::nullopt;  // view_as / expand_as: the shape comes from the other operand, whole
-  if (p.op == "reshape") {
-    if (p.inputs.empty()) return std::nullopt;
-    auto q = reshape_shard(out.shape, val(p.inputs[0]).shape, Placement::shard(dim, inner));
-    if (!q) return std::nullopt;
-    req[0] = std::make_pair(q->dim, q->inner);
-  } else if (p.op == "expand") {
-    if (p.inputs.empty() || !aligned(0)) return std::nullopt;
-  } else if (p.op == "permute") {
-    const auto perm = p.ints_attr("perm");
-    if (dim >= static_cast<int>(perm.size())) return std::nullopt;
-    req[0] = std::make_pair(static_cast<int>(perm[static_cast<size_t>(dim)]), inner);
-  } else if (p.op == "index") {
-    if (p.inputs.size() != 1) return std::nullopt;
-    const auto dim_map = p.ints_attr("dim_map");
-    const auto sliced = p.ints_attr("sliced_dims");
-    int k = -1;
-    for (size_t j = 0; j < dim_map.size(); ++j)
-      if (dim_map[j] == dim) k = static_cast<int>(j);
-    if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return std::nullopt;
-    req[0] = std::make_pair(k, inner);
-  } else if (p.op == "cat") {
-    int64_t cat_dim = p.int_attr("dim", 0);
-    if (cat_dim < 0) cat_dim += ro;
-    if (cat_dim == dim) return std::nullopt;
-    for (size_t i = 0; i < p.inputs.size(); ++i) req[i] = std::make_pair(dim, inner);
-  } else if (elementwise) {
-    for (size_t i = 0; i < p.inputs.size(); ++i)
-      if (p.inputs[i] >= 0 && val(p.inputs[i]).is_tensor() && !aligned(i)) return std::nullopt;
-  } else {
-    return std::nullopt;
+  switch (locality) {
+    case Locality::Reshape: {
+      auto q = reshape_shard(out.shape, val(p.inputs[0]).shape, Placement::shard(dim, inner));
+      if (!q) return std::nullopt;
+      req[0] = std::make_pair(q->dim, q->inner);
+      break;
+    }
+    case Locality::Expand:
+      if (!aligned(0)) return std::nullopt;
+      break;
+    case Locality::Permute: {
+      const auto perm = p.ints_attr("perm");
+      if (dim >= static_cast<int>(perm.size())) return std::nullopt;
+      req[0] = std::make_pair(static_cast<int>(perm[static_cast<size_t>(dim)]), inner);
+      break;
+    }
+    case Locality::Index: {
+      if (p.inputs.size() != 1) return std::nullopt;
+      const auto dim_map = p.ints_attr("dim_map");
+      const auto sliced = p.ints_attr("sliced_dims");
+      int k = -1;
+      for (size_t j = 0; j < dim_map.size(); ++j)
+        if (dim_map[j] == dim) k = static_cast<int>(j);
+      if (k < 0 || std::find(sliced.begin(), sliced.end(), k) != sliced.end()) return std::nullopt;
+      req[0] = std::make_pair(k, inner);
+      break;
+    }
+    case Locality::Cat: {
+      int64_t cat_dim = p.int_attr("dim", 0);
+      if (cat_dim < 0) cat_dim += ro;
+      if (cat_dim == dim) return std::nullopt;
+      for (size_t i = 0; i < p.inputs.size(); ++i) req[i] = std::make_pair(dim, inner);
+      break;
+    }
+    case Locality::Elementwise:
+      for (size_t i = 0; i < p.inputs.size(); ++i)
+        if (p.inputs[i] >= 0 && val(p.inputs[i]).is_tensor() && !aligned(i)) return std::nullopt;
+      break;
+    // Local only with arguments rewritten per part (the diagonal, the sizes): mask tiles
+    // replay them (mask_tiles.cpp); a slice is not moved through them.
+    case Locality::Triangle:
+    case Locality::Factory:
+    case Locality::Eye:
+    case Locality::None:
+      return std::nullopt;
   }
   return req;
 }
@@ -76,7 +91,9 @@ int PlanBuilder::hoist_slice(int v, int dim, int64_t inner, const SourceLoc& loc
   }
   // The size arguments of expand / reshape are localised along sequence dims only
   // (local_dims): a slice of another dim (the heads) is not moved through them.
-  if ((p.op == "expand" || p.op == "reshape") && !out.shape[static_cast<size_t>(dim)].has_seq())
+  const Locality locality = locality_of(p);
+  if ((locality == Locality::Expand || locality == Locality::Reshape) &&
+      !out.shape[static_cast<size_t>(dim)].has_seq())
     return -1;
   const auto req = local_along(p, dim, inner);
   if (!req) return -1;

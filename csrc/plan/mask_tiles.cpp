@@ -74,19 +74,19 @@ std::optional<PlanBuilder::MaskTiles> PlanBuilder::mask_tiles(int mask, int qdim
     const int rank = x.rank();
     int64_t how = kPlain;
     std::vector<std::optional<std::pair<int, int64_t>>> req(p.inputs.size());
-    if ((p.op == "tril" || p.op == "triu") && !p.inputs.empty()) {
+    const Locality locality = locality_of(p);
+    if (locality == Locality::Triangle && !p.inputs.empty()) {
       how = d == rank - 2 ? kTrilRows : d == rank - 1 ? kTrilCols : kPlain;
       req[0] = std::make_pair(d, int64_t{1});
-    } else if ((p.op == "ones" || p.op == "zeros" || p.op == "full" || p.op == "empty") &&
-               p.inputs.empty()) {
+    } else if (locality == Locality::Factory && p.inputs.empty()) {
       how = kFactorySize;
-    } else if (p.op == "eye" && p.inputs.empty() && rank == 2 && d == 0) {
+    } else if (locality == Locality::Eye && p.inputs.empty() && rank == 2 && d == 0) {
       how = kEyeRows;
-    } else if (p.op == "reshape") {
+    } else if (locality == Locality::Reshape) {
       return seen[{v, d}] = leaf();  // its size arguments would need the tile's
     } else if (auto r = local_along(p, d, 1)) {
       req = *r;
-      if (p.op == "expand") how = kExpandSize;
+      if (locality == Locality::Expand) how = kExpandSize;
     } else {
       return seen[{v, d}] = leaf();
     }

@@ -149,7 +149,9 @@ class PlanBuilder {
   // Partial operands: kept when the op is linear in them, otherwise reduced first.
   bool partial_passes(const OpRule& rule, const Node& n, const std::vector<int>& ins) const;
 
-  void emit_generic(const Node& n);
+  // A node the table gives the generic emitter: its rule's placements (`rule`: its row, or
+  // nullptr), partial operands passed or reduced, the gather fallback, the rule's expansion.
+  void emit_generic(const Node& n, const OpRule* rule);
 
   // The rule result for `n` on the inputs `ins`: token-local, the op's rule, or for an op
   // without one, replicated when every input is. Throws PlanError where the op has no
@@ -225,10 +227,10 @@ class PlanBuilder {
 
   // Rules see the node with mapped inputs and the *input graph's* output values (same
   // shapes), so shapes of both sides are available.
-  RuleResult call_rule(const OpRule& rule, const Node& n, const std::vector<int>& ins) {
+  RuleResult call_rule(RuleFn fn, const Node& n, const std::vector<int>& ins) {
     Graph& g = scratch_graph(n, ins);
     RuleInput r{g, g.nodes.back(), placements_of(ins), cfg_.sp_size};
-    return rule.fn(r);
+    return fn(r);
   }
 
   Graph scratch_;
@@ -237,7 +239,7 @@ class PlanBuilder {
   // A scan along the sequence (sp.scan: the local scan, combined with the totals of the ranks
   // before this one) or a reduction over it (sp.combine: the local reduction, combined over
   // all ranks by the same reduction).
-  void emit_cross_rank(const Node& n, std::vector<int> ins, const std::string& kind);
+  void emit_cross_rank(const Node& n, std::vector<int> ins, bool scan);
 
   // A slice that drops positions at the ends of the sharded sequence: sp.shift takes this
   // rank's part of the sliced sequence (see collectives.shift), and the node itself then

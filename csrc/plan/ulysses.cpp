@@ -18,21 +18,30 @@ namespace plan_detail {
 SpPlan PlanBuilder::run() {
   for (const Node& n : in_.nodes) {
     if (n.has_attr("grad_enabled")) set_grad_mode(n.bool_attr("grad_enabled", true));
-    if (n.op == "output" || n.op == "sdpa" || n.op == "flex_attention") refuse_local_operands(n);
-    if (n.op == "input")
+    if (n.op == "input") {
       emit_input(n);
-    else if (n.op == "output")
+    } else if (n.op == "output") {
+      refuse_local_operands(n);
       emit_output(n);
-    else if (n.op == "sdpa" || n.op == "flex_attention")
-      emit_sdpa(n);
-    else if (n.op == "cross_entropy")
-      emit_cross_entropy(n);
-    else
-      emit_generic(n);
+    } else {
+      const OpRule* rule = rule_for(n);
+      switch (rule ? rule->emitter : Emitter::Rule) {
+        case Emitter::Attention:
+          refuse_local_operands(n);
+          emit_sdpa(n);
+          break;
+        case Emitter::CrossEntropy:
+          emit_cross_entropy(n);
+          break;
+        case Emitter::Rule:
+          emit_generic(n, rule);
+          break;
+      }
+    }
   }
   eliminate_dead_nodes();
   if (cfg_.bucket_grad_sync) bucket_grad_syncs();
-  return SpPlan{std::move(out_), std::move(place_), std::move(gathered_ops_)};
+  return SpPlan{std::move(out_), std::move(place_), std::move(gathered_ops_), std::move(vmap_)};
 }
 
 std::string PlanBuilder::bucket_of(const std::string& path) {
@@ -312,9 +321,8 @@ bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
   return false;
 }
 
-void PlanBuilder::emit_generic(const Node& n) {
+void PlanBuilder::emit_generic(const Node& n, const OpRule* rule) {
   std::vector<int> ins = mapped_inputs(n);
-  const OpRule* rule = rule_for(n);
   refuse_count_as_number(n, ins);
   if (rule && partial_passes(*rule, n, ins)) {
     std::vector<Placement> outs(n.outputs.size(), Placement::partial());
@@ -336,23 +344,21 @@ void PlanBuilder::emit_generic(const Node& n) {
                     "Allocate the destination from a sharded tensor (x.new_empty(...), "
                     "torch.zeros_like(x)) or compute the result out of place (a new "
                     "torch.zeros(...) is made local only when nothing but this write reads it).");
-  if (res.expansion == "mean_partial") {
-    emit_mean_partial(n, apply_operands(n, ins, res.operands, res.out));
-    return;
+  std::vector<int> args = apply_operands(n, ins, res.operands, res.out);
+  switch (res.expansion) {
+    case Expansion::MeanPartial:
+      return emit_mean_partial(n, std::move(args));
+    case Expansion::Halo:
+      return emit_halo(n, std::move(args), res);
+    case Expansion::Shift:
+      return emit_shift(n, std::move(args), res);
+    case Expansion::Scan:
+    case Expansion::Combine:
+      return emit_cross_rank(n, std::move(args), res.expansion == Expansion::Scan);
+    case Expansion::None:
+      copy_node(n, std::move(args), res.out, res.attr_updates);
+      return;
   }
-  if (res.expansion == "halo") {
-    emit_halo(n, apply_operands(n, ins, res.operands, res.out), res);
-    return;
-  }
-  if (res.expansion == "shift") {
-    emit_shift(n, apply_operands(n, ins, res.operands, res.out), res);
-    return;
-  }
-  if (res.expansion == "scan" || res.expansion == "combine") {
-    emit_cross_rank(n, apply_operands(n, ins, res.operands, res.out), res.expansion);
-    return;
-  }
-  copy_node(n, apply_operands(n, ins, res.operands, res.out), res.out, res.attr_updates);
 }
 
 Graph& PlanBuilder::scratch_graph(const Node& n, const std::vector<int>& ins) {

@@ -68,12 +68,24 @@ struct SpPlan {
   // The ops whose sharded inputs were gathered (SpConfig::gather_unsupported), in program
   // order: for each, the error the plan would have stopped with (op, source line, reason).
   std::vector<std::string> gathered;
+  // For each value of the input graph, the plan value later nodes read in its place (-1 for
+  // none).
+  std::vector<int> value_of_input;
 
   // Number of nodes per SP op ("sp.all_to_all" -> 2L for an L-layer model, ...).
   std::map<std::string, int> collective_counts() const;
   // The graph with each value's placement printed after its type.
   std::string str() const;
 };
+
+// The placements the plan gave the input graph, one line per node: the operands the node ran
+// on (each input value with the placement it had there, and the SP op that made it so where
+// the plan inserted one) and its results as later nodes read them.
+//   %12 = linear(%9:S(1), %3:R[sp.grad_sync]) -> %12:S(1)  # model.py:40
+//   %20 = sdpa(%17:S(1)[sp.all_to_all], ...) -> %20:S(2)[sp.all_to_all]  # model.py:46
+// A replicated chain the plan moved onto the local chunk prints its clone's results and
+// "{hoisted}"; a node the plan dropped (nothing read its result) prints "dropped".
+std::string print_placements(const Graph& in, const SpPlan& plan);
 
 // Throws PlanError for a model the plan cannot make exact, std::invalid_argument for a
 // bad configuration.

@@ -9,8 +9,7 @@
 
 namespace autosp::plan_detail {
 
-void PlanBuilder::emit_cross_rank(const Node& n, std::vector<int> ins, const std::string& kind) {
-  const bool scan = kind == "scan";
+void PlanBuilder::emit_cross_rank(const Node& n, std::vector<int> ins, bool scan) {
   // The local reduction is one per-rank term of the combined result, which sp.combine
   // reduces with the op itself (not a sum); the plan prints it as P.
   const Placement local = scan ? placement(ins[0]) : Placement::partial();

@@ -66,7 +66,7 @@ Outcome run_rule(const GraphBuilder& b, int out, std::vector<Placement> in, int6
   const OpRule* rule = rule_for(n);
   if (!rule) throw std::logic_error("no rule for " + n.op);
   RuleResult r = rule->fn(RuleInput{b.graph, n, std::move(in), sp});
-  return {r.out, r.operands, r.attr_updates, r.expansion};
+  return {r.out, r.operands, r.attr_updates, expansion_name(r.expansion)};
 }
 
 std::string rule_error(const GraphBuilder& b, int out, std::vector<Placement> in) {
@@ -107,9 +107,19 @@ TEST(Registry, FindRule) {
        {"add", "mul", "sum", "mean", "softmax", "reshape", "permute", "index", "cat", "split",
         "linear", "matmul", "embedding", "sym_size", "layer_norm", "arange"})
     EXPECT_NE(find_rule(op), nullptr) << op;
-  // sdpa and cross_entropy are planned by plan_ulysses itself, not by a rule.
-  EXPECT_EQ(find_rule("sdpa"), nullptr);
   EXPECT_EQ(find_rule("my_custom_op"), nullptr);
+  // Attention and cross-entropy are rows of the same table, with their own emitters and no
+  // placement rule; eye has a locality (mask tiles replay it) but no rule.
+  for (const char* op : {"sdpa", "flex_attention"}) {
+    ASSERT_NE(find_rule(op), nullptr) << op;
+    EXPECT_EQ(find_rule(op)->emitter, Emitter::Attention);
+    EXPECT_EQ(find_rule(op)->fn, nullptr);
+  }
+  EXPECT_EQ(find_rule("cross_entropy")->emitter, Emitter::CrossEntropy);
+  EXPECT_EQ(find_rule("eye")->fn, nullptr);
+  EXPECT_EQ(find_rule("eye")->locality, Locality::Eye);
+  EXPECT_TRUE(std::binary_search(ops.begin(), ops.end(), "sdpa"));
+  EXPECT_FALSE(std::binary_search(ops.begin(), ops.end(), "eye"));
 
   EXPECT_EQ(find_rule("add")->partial, PartialBehaviour::Additive);
   EXPECT_EQ(find_rule("sub")->partial, PartialBehaviour::Additive);
@@ -132,6 +142,23 @@ TEST(Registry, PointwiseNodesTakeTheElementwiseRule) {
   EXPECT_EQ(find_rule("silu"), nullptr);
   Node add{.op = "add", .attrs = {{"pointwise", true}}};
   EXPECT_EQ(rule_for(add)->partial, PartialBehaviour::Additive);  // the registered row wins
+}
+
+// The locality column, read by slice hoisting and mask tiling: elementwise for pointwise
+// nodes and the elementwise rows (where, masked_fill, casts), none for ops that move or mix
+// elements whatever their partial behaviour (sum is linear but not elementwise).
+TEST(Registry, LocalityColumn) {
+  Node expm1{.op = "expm1", .attrs = {{"pointwise", true}}};
+  EXPECT_TRUE(is_elementwise(expm1));
+  for (const char* op : {"add", "where", "masked_fill", "to", "alias", "clone"})
+    EXPECT_TRUE(is_elementwise(Node{.op = op})) << op;
+  for (const char* op : {"sum", "repeat", "repeat_interleave", "dropout", "matmul", "expm1"})
+    EXPECT_FALSE(is_elementwise(Node{.op = op})) << op;
+  EXPECT_EQ(locality_of(Node{.op = "reshape"}), Locality::Reshape);
+  EXPECT_EQ(locality_of(Node{.op = "tril"}), Locality::Triangle);
+  EXPECT_EQ(locality_of(Node{.op = "zeros"}), Locality::Factory);
+  EXPECT_EQ(locality_of(Node{.op = "arange"}), Locality::None);
+  EXPECT_EQ(locality_of(Node{.op = "my_custom_op"}), Locality::None);
 }
 
 TEST(SequenceDim, FirstDimLinearInS) {
@@ -927,7 +954,7 @@ TEST(FactoryRule, AlwaysReplicated) {
 Outcome run_local(const GraphBuilder& b, int out, std::vector<Placement> in) {
   const Node& n = b.graph.nodes.at(static_cast<size_t>(b.graph.producer(out)));
   RuleResult r = local_rule(RuleInput{b.graph, n, std::move(in), 2});
-  return {r.out, r.operands, r.attr_updates, r.expansion};
+  return {r.out, r.operands, r.attr_updates, expansion_name(r.expansion)};
 }
 
 std::string local_error(const GraphBuilder& b, int out, std::vector<Placement> in) {

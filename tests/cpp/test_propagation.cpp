@@ -1,0 +1,103 @@
+// Placement propagation, printed: for each model, every input node with the placements of the
+// operands it ran on (and the SP op that made each so) and of its results, as
+// print_placements writes them. A change in how any op is placed shows up here as a line diff.
+//
+// Golden files live in tests/cpp/golden/placements_*.txt; after an intended change, rerun with
+// AUTOSP_UPDATE_GOLDEN=1 and review the diff.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "golden.h"
+#include "graph_builder.h"
+#include "llama_graph.h"
+#include "plan/ulysses.h"
+
+namespace autosp {
+namespace {
+
+using testutil::C;
+using testutil::contains;
+using testutil::GraphBuilder;
+using testutil::S;
+using Ints = std::vector<int64_t>;
+
+std::string placements(const Graph& g, const SpConfig& cfg) {
+  return print_placements(g, plan_ulysses(g, cfg));
+}
+
+TEST(Placements, LlamaMhaP2) {
+  EXPECT_GOLDEN("placements_llama_mha_p2", placements(testutil::llama({}), {.sp_size = 2}));
+}
+
+TEST(Placements, LlamaOneKvHeadP4) {
+  EXPECT_GOLDEN("placements_llama_gqa_kv1_p4",
+                placements(testutil::llama({.kv_heads = 1}), {.sp_size = 4}));
+}
+
+// nanoGPT: learned positions from arange, LayerNorm, tied head, and the loss on
+// logits.view(-1, V) with ignore_index=-1.
+TEST(Placements, NanoGptP2) {
+  const int64_t B = 2, V = 64, D = 16;
+  GraphBuilder b;
+  const int idx = b.input("idx", {C(B), S()}, "i64", "data");
+  const int targets = b.input("targets", {C(B), S()}, "i64", "data");
+  const int wte = b.param("transformer.wte.weight", {C(V), C(D)});
+  const int wpe = b.param("transformer.wpe.weight", {C(256), C(D)});
+  const int lnw = b.param("transformer.ln_f.weight", {C(D)});
+  const int pos =
+      b.at(10, "pos = torch.arange(0, t, dtype=torch.long)").op("arange", {}, {S()}, {}, "i64");
+  const int tok = b.at(11, "tok_emb = self.transformer.wte(idx)")
+                      .op("embedding", {idx, wte}, {C(B), S(), C(D)});
+  const int pe =
+      b.at(12, "pos_emb = self.transformer.wpe(pos)").op("embedding", {pos, wpe}, {S(), C(D)});
+  const int x = b.at(13, "x = self.transformer.drop(tok_emb + pos_emb)")
+                    .op("add", {tok, pe}, {C(B), S(), C(D)});
+  const int h = b.at(14, "x = self.transformer.ln_f(x)")
+                    .op("layer_norm", {x, lnw}, {C(B), S(), C(D)}, {{"norm_dims", int64_t{1}}});
+  const int logits = b.at(15, "logits = self.lm_head(x)").op("linear", {h, wte}, {C(B), S(), C(V)});
+  const int flat = b.at(16, "loss = F.cross_entropy(logits.view(-1, logits.size(-1)), ...)")
+                       .op("reshape", {logits}, {S(B), C(V)});
+  const int t = b.at(16).op("reshape", {targets}, {S(B)});
+  const int loss = b.at(16).op("cross_entropy", {flat, t}, {},
+                               {{"reduction", std::string("mean")}, {"ignore_index", int64_t{-1}}});
+  b.at(17).output({loss});
+  EXPECT_GOLDEN("placements_nanogpt_p2", placements(b.graph, {.sp_size = 2}));
+}
+
+// One graph with each way the plan expands an op: a replicated chain hoisted onto the local
+// chunk, a scan and a reduction across ranks, a mean over the sequence (partial), a partial
+// value scaled and reduced at the output, and an op without a rule run on the gathered
+// sequence.
+TEST(Placements, ExpansionsP2) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int w = b.param("mix.weight", {C(8)});
+  const int pos = b.at(2, "pos = torch.arange(S)").op("arange", {}, {S()}, {}, "i64");
+  const int posf = b.at(3, "posf = pos.float()").op("to", {pos}, {S()});
+  const int col =
+      b.at(4, "col = posf[:, None]")
+          .op("index", {posf}, {S(), C(1)}, {{"dim_map", Ints{0}}, {"sliced_dims", Ints{}}});
+  const int h = b.at(5, "h = x * self.mix + col").op("mul", {x, w}, {C(2), S(), C(8)});
+  const int hc = b.at(5).op("add", {h, col}, {C(2), S(), C(8)});
+  const int c =
+      b.at(6, "c = h.cumsum(1)").op("cumsum", {hc}, {C(2), S(), C(8)}, {{"dim", int64_t{1}}});
+  const int f = b.at(7, "f = my_scan(c)").op("my_scan", {c}, {C(2), S(), C(8)});
+  const int y = b.at(8, "y = c + f").op("add", {c, f}, {C(2), S(), C(8)});
+  const int m = b.at(9, "m = y.amax(1)").op("amax", {y}, {C(2), C(8)}, {{"dims", Ints{1}}});
+  const int mean = b.at(10, "mu = y.mean(1)")
+                       .op("mean", {y}, {C(2), C(8)}, {{"dims", Ints{1}}, {"keepdim", false}});
+  const int s = b.at(11, "s = mu.sum() * 0.5").op("sum", {mean}, {});
+  const int half = b.at(11).op("mul", {s}, {}, {{"other", 0.5}});
+  const int ms = b.at(12, "loss = half + m.sum()").op("sum", {m}, {});
+  const int loss = b.at(12).op("add", {half, ms}, {});
+  b.at(13).output({loss});
+  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2, .gather_unsupported = true});
+  EXPECT_EQ(plan.gathered.size(), 1u);
+  EXPECT_TRUE(contains(plan.gathered.at(0), "my_scan"));
+  EXPECT_GOLDEN("placements_expansions_p2", print_placements(b.graph, plan));
+}
+
+}  // namespace
+}  // namespace autosp
