@@ -315,21 +315,22 @@ def _causal_pad(ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
 MASKS = {
     "where-float": lambda m, ids, am: torch.where(_causal_pad(ids, am), 0.0, float("-inf")),
     "sliding-window": lambda m, ids, am: ((_pos(ids)[None, :] <= _pos(ids)[:, None])
-                                          & (_pos(ids)[None, :] > _pos(ids)[:, None] - 4)),
+                                          & (_pos(ids)[None, :] > _pos(ids)[:, None] - 4))
+    .unsqueeze(0).unsqueeze(0),
     "documents-from-ids": lambda m, ids, am: (
         (torch.cumsum((ids < 8).long(), 1)[:, :, None] == torch.cumsum((ids < 8).long(), 1)[:, None, :])
         & (_pos(ids)[:, None] >= _pos(ids)[None, :]))[:, None],
     "full-triu": lambda m, ids, am: torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1),
     "type-as-hidden": lambda m, ids, am: (1.0 - _causal_pad(ids, am).type_as(m.embed(ids))) * -1e9,
-    "tril-expand": lambda m, ids, am: torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
-    .expand(ids.shape[0], 1, ids.shape[1], ids.shape[1]),
+    "tril-view-expand": lambda m, ids, am: torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+    .view(1, 1, ids.shape[1], ids.shape[1]).expand(ids.shape[0], 1, ids.shape[1], ids.shape[1]),
     "repeat-rows": lambda m, ids, am: am.bool()[:, None, None, :].repeat(1, 1, ids.shape[1], 1)
     & _causal_pad(ids, am),
     "expand-heads": lambda m, ids, am: _causal_pad(ids, am).expand(ids.shape[0], m.heads, ids.shape[1],
                                                                    ids.shape[1]),
     "mask-weighted-loss": lambda m, ids, am: _causal_pad(ids, am),
 }
-TILED = {"where-float", "sliding-window", "documents-from-ids", "full-triu", "type-as-hidden", "tril-expand",
+TILED = {"where-float", "sliding-window", "documents-from-ids", "full-triu", "type-as-hidden", "tril-view-expand",
          "mask-weighted-loss"}
 
 

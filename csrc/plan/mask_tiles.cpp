@@ -25,6 +25,7 @@ enum How : int64_t {
   kTrilRows = 3,     // tril/triu with the query dim as rows: diagonal + start
   kTrilCols = 4,     // tril/triu with the query dim as columns: diagonal - start
   kEyeRows = 5,      // eye(n[, m]) with the query dim as rows: rows [start, end) of it
+  kReshapeSize = 6,  // view/reshape keeping the query dim whole: its size argument -> end - start
 };
 
 // Attributes through which python/autosp/apply.py changes an op when it copies it: a node
@@ -83,7 +84,19 @@ std::optional<PlanBuilder::MaskTiles> PlanBuilder::mask_tiles(int mask, int qdim
     } else if (locality == Locality::Eye && p.inputs.empty() && rank == 2 && d == 0) {
       how = kEyeRows;
     } else if (locality == Locality::Reshape) {
-      return seen[{v, d}] = leaf();  // its size arguments would need the tile's
+      // A reshape that keeps the query dim whole (unsqueeze, view(1, 1, S, S)) replays on the
+      // tile with the tile's length at that dim. Which argument holds it is known for
+      // view/reshape with sizes (attribute size_args) and size-free calls (size_free).
+      const bool sized = p.bool_attr("size_args", false);
+      if (p.inputs.size() != 1 || !(sized || p.bool_attr("size_free", false)))
+        return seen[{v, d}] = leaf();
+      const Value& in = val(p.inputs[0]);
+      const auto q = reshape_shard(x.shape, in.shape, Placement::shard(d, 1));
+      if (!q || q->inner != 1 ||
+          !(in.shape[static_cast<size_t>(q->dim)] == x.shape[static_cast<size_t>(d)]))
+        return seen[{v, d}] = leaf();
+      req[0] = std::make_pair(q->dim, int64_t{1});
+      how = sized ? kReshapeSize : kPlain;
     } else if (auto r = local_along(p, d, 1)) {
       req = *r;
       if (locality == Locality::Expand) how = kExpandSize;

@@ -268,9 +268,21 @@ def _c_norm(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
 
 # x.view_as(y), x.reshape_as(y), x.expand_as(y): y's shape, read at run time from the local
 # tensor, is an operand (input 1) so that the rule sees where it lies.
+# Attributes for mask tiling (a reshape replayed on a tile of query rows): "size_args" when the
+# sizes are the call's arguments after the tensor (x.view(1, 1, S, S), torch.reshape(x, shape)),
+# "size_free" when the call names no size (unsqueeze, squeeze, flatten).
 @_canon(*_RESHAPES)
 def _c_reshape(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
-    return "reshape", _tensor_inputs(node, only=[0, 1] if name.endswith("_as") else [0]), {}
+    attrs: dict[str, Any] = {}
+    sizes = node.args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    if name in ("view", "reshape") and sizes and not node.kwargs and all(
+            isinstance(_example(s), (int, torch.SymInt)) for s in sizes):
+        attrs["size_args"] = True
+    elif name in ("unsqueeze", "squeeze", "flatten", "ravel"):
+        attrs["size_free"] = True
+    return "reshape", _tensor_inputs(node, only=[0, 1] if name.endswith("_as") else [0]), attrs
 
 
 @_canon("expand", "expand_as", "broadcast_to")

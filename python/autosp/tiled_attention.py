@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 # How a chain node's replay on rows [start, end) differs from the op as written (the core's
 # enum How in mask_tiles.cpp).
-_PLAIN, _EXPAND_SIZE, _FACTORY_SIZE, _TRIL_ROWS, _TRIL_COLS, _EYE_ROWS = range(6)
+_PLAIN, _EXPAND_SIZE, _FACTORY_SIZE, _TRIL_ROWS, _TRIL_COLS, _EYE_ROWS, _RESHAPE_SIZE = range(7)
 
 #: Mask tile size when AUTOSP_MASK_TILE_ROWS is not set: at most this many mask elements.
 TILE_ELEMENTS = 1 << 28
@@ -153,8 +153,8 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
             # created at the tile's length.
             sizes[qdim] = -1 if pairs[0][1] >= 0 else length
             put(sizes)
-        elif how == _FACTORY_SIZE:
-            sizes, put = _sizes_at(args, kwargs, 0)
+        elif how in (_FACTORY_SIZE, _RESHAPE_SIZE):  # ones(S, S); x.view(1, 1, S, S)
+            sizes, put = _sizes_at(args, kwargs, 0 if how == _FACTORY_SIZE else 1)
             sizes[qdim] = length
             put(sizes)
         elif how in (_TRIL_ROWS, _TRIL_COLS):

@@ -104,6 +104,41 @@ TEST(MaskTiles, TrilOfOnesIsReplayedPerTile) {
   EXPECT_EQ(square_values(plan), std::vector<std::string>{}) << plan.str();
 }
 
+// A reshape that keeps the query dim whole is replayed per tile: view(1, 1, S, S) with the
+// tile's length as its size argument (how 6), unsqueeze as written (how 0). A reshape whose
+// size arguments are unknown (attribute neither size_args nor size_free), or that merges the
+// query dim, leaves the mask whole.
+TEST(MaskTiles, ReshapesKeepingTheQueryDimAreReplayed) {
+  for (const char* kind : {"size_args", "size_free"}) {
+    SCOPED_TRACE(kind);
+    Attn a;
+    const int ones = a.b.at(3).op("ones", {}, {S(), S()}, {}, "bool");
+    const int tril = a.b.at(4).op("tril", {ones}, {S(), S()}, {}, "bool");
+    const int m = a.b.at(5).op("reshape", {tril}, {C(1), C(1), S(), S()}, {{kind, true}}, "bool");
+    const SpPlan plan = a.plan_with(m);
+    const Node& sdpa = sdpa_of(plan);
+    ASSERT_TRUE(sdpa.has_attr("mask_tiles")) << plan.str();
+    const Ints chain = sdpa.ints_attr("mask_tiles");
+    ASSERT_EQ(chain.size(), 5u + 7u + 7u);
+    // The reshape: how, its query dim (2), its operand's query dim (0).
+    EXPECT_EQ((Ints{chain[13], chain[14], chain[17]}),
+              (Ints{std::string(kind) == "size_args" ? 6 : 0, 2, 0}));
+    EXPECT_EQ(square_values(plan), std::vector<std::string>{}) << plan.str();
+  }
+  {  // no attribute: which argument holds the size is unknown
+    Attn a;
+    const int ones = a.b.op("ones", {}, {S(), S()}, {}, "bool");
+    const int m = a.b.op("reshape", {ones}, {C(1), C(1), S(), S()}, {}, "bool");
+    EXPECT_FALSE(sdpa_of(a.plan_with(m)).has_attr("mask_tiles"));
+  }
+  {  // [S * S] -> [S, S]: the query dim is made by the reshape
+    Attn a;
+    const int flat = a.b.op("ones", {}, {S(1, 2)}, {}, "bool");
+    const int m = a.b.op("reshape", {flat}, {S(), S()}, {{"size_args", true}}, "bool");
+    EXPECT_FALSE(sdpa_of(a.plan_with(m)).has_attr("mask_tiles"));
+  }
+}
+
 // Masks that are not a chain from O(S) operands keep today's plan: the whole mask.
 TEST(MaskTiles, OtherMasksStayWhole) {
   {  // passed in as [B, 1, S, S]: already materialised by the caller
