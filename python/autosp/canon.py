@@ -270,7 +270,7 @@ def _c_norm(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
 # tensor, is an operand (input 1) so that the rule sees where it lies.
 # Attributes for mask tiling (a reshape replayed on a tile of query rows): "size_args" when the
 # sizes are the call's arguments after the tensor (x.view(1, 1, S, S), torch.reshape(x, shape)),
-# "size_free" when the call names no size (unsqueeze, squeeze, flatten).
+# "size_free" when the call names no size (unsqueeze, squeeze(dim), flatten).
 @_canon(*_RESHAPES)
 def _c_reshape(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     attrs: dict[str, Any] = {}
@@ -280,7 +280,8 @@ def _c_reshape(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     if name in ("view", "reshape") and sizes and not node.kwargs and all(
             isinstance(_example(s), (int, torch.SymInt)) for s in sizes):
         attrs["size_args"] = True
-    elif name in ("unsqueeze", "squeeze", "flatten", "ravel"):
+    elif name in ("unsqueeze", "flatten") or (name == "squeeze" and (sizes or node.kwargs)):
+        # (not x.squeeze(): on a tile of one row it would drop the query dim too)
         attrs["size_free"] = True
     return "reshape", _tensor_inputs(node, only=[0, 1] if name.endswith("_as") else [0]), attrs
 
