@@ -56,7 +56,7 @@ def measure(config, dtype: str, batch: int, policy: str, seq: int, backend: str)
     finally:
         torch.set_default_dtype(previous)
     if dtype == "bf16":
-        from autosp.planner import _RotaryInDtype
+        from autosp.plan_trace import _RotaryInDtype
 
         model.rotary = _RotaryInDtype(model.rotary, torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from autosp import _core, planner
+from autosp import _core, plan_trace, planner
 from autosp.errors import AutospError
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -219,7 +219,7 @@ def test_replicated_layers_predict_like_the_full_trace(sp_size: int, layers: int
     full = planner.trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=BATCH,
                               replicate=False)
     built = planner.trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=BATCH)
-    assert built.replicated and built.traced_layers == planner.TRACED_LAYERS
+    assert built.replicated and built.traced_layers == plan_trace.TRACED_LAYERS
     assert not full.replicated and full.traced_layers == layers
     with torch.device("meta"):
         real_params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
@@ -261,7 +261,7 @@ def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.Monk
 
     config = dataclasses.replace(TINY, num_layers=4)  # the full trace is cached by the test above
     key = (config, 1, "fp32", BATCH, True)
-    planner._TRACE_CACHE.pop(key, None)
+    plan_trace._TRACE_CACHE.pop(key, None)
 
     def refuse(graph: Any, num_layers: int) -> Any:
         raise ValueError("[memory] cannot replicate layers: layer 1 reads 2 values of layer 0")
@@ -272,7 +272,7 @@ def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.Monk
                                              r"layer 0; tracing all 4 layers instead"):
             traced = planner.trace_step(config, sp_size=1, dtype="fp32", batch_size=BATCH)
     finally:
-        planner._TRACE_CACHE.pop(key, None)
+        plan_trace._TRACE_CACHE.pop(key, None)
     assert not traced.replicated and traced.traced_layers == 4
     assert sorted(set(_core.label_layers(traced.graph)) - {_core.NO_LAYER}) == [0, 1, 2, 3]
 
@@ -286,10 +286,10 @@ def test_fake_group_survives_destroy_process_group() -> None:
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    name = planner._fake_sp_group(3)
+    name = plan_trace._fake_sp_group(3)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     dist.destroy_process_group()
-    assert planner._fake_sp_group(3) == name
+    assert plan_trace._fake_sp_group(3) == name
     assert c10d._resolve_process_group(name).size() == 3
 
 

@@ -20,7 +20,7 @@ from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
 from autosp.errors import AutospError, AutospGatherWarning, stage
-from autosp.remat import BACKENDS  # the backend names, defined once (remat.py)
+from autosp.remat_policy import BACKENDS  # the backend names, defined once
 
 
 @dataclass

@@ -1,0 +1,244 @@
+"""Facts about a joint forward+backward graph for the remat solver: each node's kind (PyTorch's
+op types), FLOPs, bytes at the real sequence length, save cost and decoder layer
+(``gather_facts``). Re-exported by ``autosp.remat``; the collective namespaces are shared with
+``autosp.plan_memory_graph``."""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from autosp import _core
+
+def _partitioners():
+    from torch._functorch import partitioners
+
+    return partitioners
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+_ATTENTION_NAME = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention")
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__name__", str(target))
+
+
+def _hint(x: Any) -> int:
+    if isinstance(x, torch.SymInt):
+        try:
+            from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+            return int(optimization_hint(x, fallback=4096))
+        except ImportError:  # torch < 2.13
+            hint = x.node.hint
+            return int(hint) if hint is not None else 4096
+    return int(x)
+
+
+#: Concrete value of a (possibly symbolic) size: the trace's hint by default.
+SizeFn = Callable[[Any], int]
+
+
+def _hinted_meta(x: Any, size: SizeFn = _hint) -> Any:
+    """A meta tensor with the concrete shape of a fake tensor (each size through `size`), so
+    FLOP formulas evaluate at a real sequence length without adding guards."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty([size(s) for s in x.shape], dtype=x.dtype, device="meta")
+    return x
+
+
+def _attention_flops(node: fx.Node, name: str, size: SizeFn = _hint) -> float:
+    """4*b*h*Sq*Sk*d for the forward (QK^T and PV), 10*b*h*Sq*Sk*d for the backward (five
+    matmuls), the convention of torch.utils.flop_counter's SDPA formulas."""
+    tensors = [
+        a.meta["val"]
+        for a in node.args
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
+    backward = "backward" in name
+    q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
+    if q.dim() != 4 or k.dim() != 4:
+        return 0.0
+    b, h, sq, d = (size(s) for s in q.shape)
+    sk = size(k.shape[-2])
+    return float((10 if backward else 4) * b * h * sq * sk * d)
+
+
+def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> float:
+    """FLOPs of one joint-graph node (PyTorch's FLOP formulas; attention by its own formula),
+    with symbolic sizes evaluated by `size` (default: the trace's hint). The planner passes a
+    `size` that evaluates S at another length."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0.0
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(node.target.overloadpacket)
+    if formula is None:
+        if kind == _core.RematOpKind.ATTENTION:
+            return _attention_flops(node, name, size)
+        return 0.0
+
+    def value(a: Any) -> Any:
+        return _hinted_meta(a.meta.get("val"), size) if isinstance(a, fx.Node) else a
+
+    args, kwargs = tree_map(value, (node.args, node.kwargs))
+    out = tree_map(lambda x: _hinted_meta(x, size), node.meta.get("val"))
+    try:
+        return float(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not accept this overload's arguments
+        return 0.0
+
+
+def _classify(node: fx.Node, op_types: Any) -> Any:
+    K = _core.RematOpKind
+    if node.op == "placeholder":
+        return K.INPUT
+    if node.op != "call_function":
+        return K.CHEAP  # get_attr: re-reading an attribute is free
+    target = node.target
+    if target is operator.getitem:
+        return K.CHEAP
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace in _COLLECTIVE_NAMESPACES:
+            return K.COLLECTIVE
+        # Before the random check: SDPA is tagged nondeterministic_seeded (for dropout_p), and
+        # it is banned either way; as attention its FLOPs count towards the step's.
+        if _ATTENTION_NAME.search(target.name()):
+            return K.ATTENTION
+        if op_types.is_random(node) or torch.Tag.nondeterministic_seeded in target.tags:
+            return K.RANDOM
+    if op_types.is_view(node):
+        return K.VIEW
+    if op_types.is_compute_intensive(node):
+        return K.MATMUL
+    if op_types.is_recomputable(node):
+        return K.CHEAP
+    return K.OTHER
+
+
+def _save_cost(node: fx.Node) -> Any:
+    C = _core.RematSaveCost
+    from torch.fx.experimental.proxy_tensor import is_sym_node
+
+    if is_sym_node(node):
+        return C.SYM_FLOAT if isinstance(node.meta.get("val"), torch.SymFloat) else C.SYM_INT
+    val = node.meta.get("val")
+    non_tensor = ("val" not in node.meta and "tensor_meta" not in node.meta) or (
+        "val" in node.meta and not isinstance(val, torch.Tensor)
+    )
+    if not non_tensor:
+        return C.TENSOR
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch.fx.experimental._backward_state import BackwardState
+
+    opaque = False
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+
+        opaque = is_opaque_node(node)
+    except ImportError:
+        pass
+    if isinstance(val, (BackwardState, FakeScriptObject)) or opaque:
+        return C.FREE
+    return C.UNSAVEABLE
+
+
+def _node_bytes(node: fx.Node) -> int:
+    """PyTorch's _size_of (bytes of the value, hinted sizes), 0 where it has no answer."""
+    def tensor_bytes(x: Any) -> int:
+        if not isinstance(x, torch.Tensor):
+            return 0
+        numel = 1
+        for s in x.shape:
+            numel *= _hint(s)
+        return numel * x.dtype.itemsize
+
+    if "val" not in node.meta:
+        return 0
+    val = node.meta["val"]
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return 1
+    if isinstance(val, (list, tuple)):
+        return sum(tensor_bytes(v) for v in val)
+    if isinstance(val, dict):
+        return sum(tensor_bytes(v) for v in val.values())
+    return tensor_bytes(val)
+
+
+def layer_of_path(path: str) -> str:
+    """The layer of a dotted module or parameter path: the path up to its first numbered
+    component ("layers.3.mlp" -> "layers.3"), else its top-level module ("lm_head"), else ""."""
+    parts = [p for p in path.split(".") if p]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if parts else ""
+
+
+def _layer_of(node: fx.Node) -> str:
+    """layer_of_path of the node's module (its nn_module_stack), or "" without one."""
+    from autosp.bridge import dotted_path
+
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return layer_of_path(dotted_path(str(list(stack.values())[-1][0])))
+
+
+def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
+    """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
+    graph, in graph order, with sizes and FLOPs at the trace's hint; the planner builds its
+    memory graph from the same facts."""
+    partitioners = _partitioners()
+    from torch._functorch import config as functorch_config
+    from torch._functorch._aot_autograd.utils import _is_fwd_seed_offset, _is_primal
+    from torch._functorch.compile_utils import get_aten_target
+
+    op_types = partitioners.get_default_op_list()
+    nodes = [n for n in joint_graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    params_free = bool(getattr(functorch_config, "treat_parameters_as_free_to_save", True))
+    aten_cat = torch.ops.aten.cat
+
+    facts = []
+    for node in nodes:
+        f = _core.RematNode()
+        kind = _classify(node, op_types)
+        name = _op_name(node)
+        f.name = node.name
+        f.target = name
+        f.layer = _layer_of(node)
+        f.kind = kind
+        f.save_cost = _save_cost(node)
+        f.bytes = _node_bytes(node)
+        f.flops = node_flops(node, kind, name)
+        f.required_fw = node_info.is_required_fw(node)
+        f.required_bw = node in node_info.required_bw_nodes
+        f.tangents_closure = node in node_info.tangents_closure
+        f.primal_input = _is_primal(node) or _is_fwd_seed_offset(node)
+        f.static_lifetime = params_free and node in node_info.static_lifetime_input_nodes
+        recompute = node.meta.get("recompute")
+        f.must_save = recompute == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        f.must_recompute = partitioners.must_recompute(node)
+        f.fusible = op_types.is_fusible(node)
+        f.getitem = node.op == "call_function" and node.target is operator.getitem
+        users = sorted((index[u] for u in node.users if u in index), key=int)
+        f.users = users
+        f.fusible_user = [
+            int(get_aten_target(nodes[u]) == aten_cat or (f.fusible and op_types.is_fusible(nodes[u])))
+            for u in users
+        ]
+        f.args = [index[a] for a in node.args if isinstance(a, fx.Node)]
+        facts.append(f)
+    return nodes, facts

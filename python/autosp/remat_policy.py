@@ -1,0 +1,182 @@
+"""Remat policies and reports: the policy names (defined once here), MemoryBudget, what a
+compile decided per layer and node (RematReport), and a policy's options for the C++ solver.
+Re-exported by ``autosp.remat``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from autosp import _core
+from autosp.errors import AutospError
+
+#: Sequence-aware policy: matmuls may be recomputed while their total forward FLOPs stay
+#: within this fraction of the step's attention FLOPs (forward + backward attention). At 0.1
+#: the recomputation adds at most ~10% of the attention work, which (with attention dominant
+#: at long S) bounds the step-time cost to a few percent. Set 0 to never recompute matmuls.
+DEFAULT_RECOMPUTE_FLOPS_RATIO = 0.1
+
+POLICIES = ("none", "default", "sequence-aware")
+BACKENDS = ("inductor", "aot_eager")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A cap on saved-for-backward bytes (parameters excluded): exactly one of ``bytes`` (an
+    absolute cap) or ``fraction`` (of what policy ``"none"`` saves, in (0, 1])."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.bytes is None) == (self.fraction is None):
+            raise AutospError(
+                f"[remat] MemoryBudget needs exactly one of bytes= or fraction=, got "
+                f"bytes={self.bytes!r}, fraction={self.fraction!r}"
+            )
+        if self.bytes is not None and (
+            not isinstance(self.bytes, int) or isinstance(self.bytes, bool) or self.bytes < 0
+        ):
+            raise AutospError(
+                f"[remat] MemoryBudget.bytes must be an int >= 0, got {self.bytes!r}"
+            )
+        if self.fraction is not None and not (
+            isinstance(self.fraction, (int, float)) and 0.0 < float(self.fraction) <= 1.0
+        ):
+            raise AutospError(
+                f"[remat] MemoryBudget.fraction must be in (0, 1], got {self.fraction!r}"
+            )
+
+
+RematPolicy = Union[str, MemoryBudget]
+
+
+@dataclass(frozen=True)
+class LayerRemat:
+    """One row of the report: what one layer (module path such as ``layers.3``) saves and
+    recomputes."""
+
+    layer: str
+    saved_count: int
+    saved_bytes: int
+    recomputed_count: int
+    recomputed_bytes: int
+    recompute_flops: float
+
+
+@dataclass(frozen=True)
+class NodeRemat:
+    """The decision for one forward node of the joint graph."""
+
+    name: str
+    target: str
+    layer: str
+    fate: str  # "saved" | "recomputed" | "forward-only"
+    bytes: int
+    flops: float
+    ban_reason: str  # why it may not be recomputed; "" if it may
+
+
+@dataclass(frozen=True)
+class GraphRematReport:
+    """What the partitioner decided for one joint graph."""
+
+    policy: str
+    saved_bytes: int
+    none_saved_bytes: int
+    budget_bytes: int | None
+    recompute_flops: float
+    attention_flops: float
+    admitted_matmuls: int
+    solve_seconds: float
+    flow_vertices: int
+    flow_edges: int
+    layers: tuple[LayerRemat, ...]
+    nodes: tuple[NodeRemat, ...]
+
+    def saved(self) -> list[NodeRemat]:
+        return [n for n in self.nodes if n.fate == "saved"]
+
+    def recomputed(self) -> list[NodeRemat]:
+        return [n for n in self.nodes if n.fate == "recomputed"]
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [
+            f"remat policy {self.policy}: saves {self.saved_bytes / mib:.2f} MiB for backward "
+            f"('none' saves {self.none_saved_bytes / mib:.2f} MiB); recomputes "
+            f"{self.recompute_flops / 1e9:.3f} GFLOP (step attention "
+            f"{self.attention_flops / 1e9:.3f} GFLOP); solved in "
+            f"{self.solve_seconds * 1e3:.1f} ms on {self.flow_vertices} vertices / "
+            f"{self.flow_edges} edges",
+            f"{'layer':<24} {'saved':>6} {'saved MiB':>10} {'recomp':>7} "
+            f"{'recomp MiB':>11} {'recomp GFLOP':>13}",
+        ]
+        for row in self.layers:
+            lines.append(
+                f"{row.layer or '(unattributed)':<24} {row.saved_count:>6} "
+                f"{row.saved_bytes / mib:>10.3f} {row.recomputed_count:>7} "
+                f"{row.recomputed_bytes / mib:>11.3f} {row.recompute_flops / 1e9:>13.4f}"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class RematReport:
+    """Collects a :class:`GraphRematReport` for every joint graph partitioned with it."""
+
+    graphs: list[GraphRematReport] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(g.saved_bytes for g in self.graphs)
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "remat: no joint graph partitioned yet"
+        return "\n\n".join(str(g) for g in self.graphs)
+
+
+# --------------------------------------------------------------------------------------------
+# Policy resolution
+
+
+def _core_options(policy: RematPolicy, recompute_flops_ratio: float) -> Any:
+    options = _core.RematOptions()
+    if isinstance(policy, MemoryBudget):
+        options.policy = _core.RematPolicy.SEQUENCE_AWARE
+        if policy.bytes is not None:
+            options.budget_bytes = int(policy.bytes)
+        else:
+            options.budget_fraction = float(policy.fraction)
+    elif policy == "none":
+        options.policy = _core.RematPolicy.NONE
+    elif policy == "default":
+        options.policy = _core.RematPolicy.DEFAULT
+    elif policy == "sequence-aware":
+        options.policy = _core.RematPolicy.SEQUENCE_AWARE
+    else:
+        raise AutospError(
+            f"[remat] unknown policy {policy!r}; expected one of "
+            f"{', '.join(repr(p) for p in POLICIES)} or a MemoryBudget"
+        )
+    if not isinstance(recompute_flops_ratio, (int, float)) or not (
+        0.0 <= float(recompute_flops_ratio) < float("inf")
+    ):
+        raise AutospError(
+            f"[remat] recompute_flops_ratio must be a finite number >= 0, got "
+            f"{recompute_flops_ratio!r}"
+        )
+    options.recompute_flops_ratio = float(recompute_flops_ratio)
+    from torch._functorch import config as functorch_config
+
+    options.max_dist_from_bw = int(functorch_config.max_dist_from_bw)
+    return options
+
+
+def _policy_name(policy: RematPolicy) -> str:
+    if isinstance(policy, MemoryBudget):
+        if policy.bytes is not None:
+            return f"sequence-aware, budget {policy.bytes} bytes"
+        return f"sequence-aware, budget {policy.fraction:g} of 'none'"
+    return str(policy)
