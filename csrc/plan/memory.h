@@ -105,6 +105,11 @@ void validate_memory_graph(const MemoryGraph& graph);
 // The input nodes of every node (the inverse of RematNode::users), in increasing order.
 std::vector<std::vector<int32_t>> node_inputs(const MemoryGraph& graph);
 
+// A compute node of the forward (what a step runs before the backward).
+inline bool is_forward_op(const MemoryNode& node) {
+  return node.role == MemoryRole::kCompute && node.facts.required_fw;
+}
+
 enum class RematStrategy : uint8_t { kNone, kDefault, kSequenceAware, kFullCheckpoint };
 
 enum class DtypePolicy : uint8_t {

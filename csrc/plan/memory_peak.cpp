@@ -1,0 +1,244 @@
+// simulate_peak_memory (see memory.h): one training step's schedule walked with every value's
+// liveness, the peak and its breakdown.
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/memory.h"
+
+namespace autosp {
+
+namespace {
+
+// What each byte at the peak is (MemoryBreakdown's fields).
+enum Category : int {
+  kParamsCat,
+  kGradsCat,
+  kOptimCat,
+  kSavedCat,
+  kTransientCat,
+  kCommCat,
+  kInputsCat,
+  kNumCategories
+};
+
+}  // namespace
+
+MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
+                                     const MemoryOptions& options) {
+  if (seq < 1) {
+    throw std::invalid_argument("[memory] sequence length " + std::to_string(seq) +
+                                "; expected a positive length");
+  }
+  const std::vector<RematFate> fate = decide_fates(graph, seq, options);
+  const auto& nodes = graph.nodes;
+  const int32_t n = static_cast<int32_t>(nodes.size());
+  const auto inputs = node_inputs(graph);
+
+  std::vector<int64_t> alloc(n), scratch(n);
+  for (int32_t i = 0; i < n; ++i) {
+    alloc[i] = nodes[i].alias_of >= 0 ? 0 : nodes[i].alloc_bytes.at(seq);
+    scratch[i] = nodes[i].scratch_bytes.at(seq);
+  }
+  auto root = [&](int32_t i) {
+    while (nodes[i].alias_of >= 0) i = nodes[i].alias_of;
+    return i;
+  };
+  auto saved = [&](int32_t i) {
+    return fate[i] == RematFate::kSaved && nodes[i].role != MemoryRole::kParameter;
+  };
+
+  MemoryBreakdown out;
+  out.seq_len = seq;
+  std::array<int64_t, kNumCategories> persistent{};
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role == MemoryRole::kParameter) persistent[kParamsCat] += alloc[i];
+    if (nodes[i].role == MemoryRole::kInput) persistent[kInputsCat] += alloc[i];
+  }
+  persistent[kOptimCat] = optimizer_state_bytes(options.training);
+
+  // Storage instances: [0, n) the forward's (or a placeholder's), [n, 2n) the backward's own
+  // (recomputed or backward ops), both indexed by the node that allocated them.
+  std::vector<uint8_t> held(2 * n, 0);  // not freed at its last use in its program
+  std::vector<int> category(2 * n, kTransientCat);
+  std::vector<uint8_t> is_saved_storage(n, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t r = root(i);
+    if (saved(i)) is_saved_storage[r] = 1;
+    if (nodes[i].forward_output) held[r] = 1;
+    if (nodes[r].collective) category[r] = category[n + r] = kCommCat;
+  }
+  for (int32_t r = 0; r < n; ++r) {
+    if (is_saved_storage[r]) {
+      held[r] = 1;
+      category[r] = kSavedCat;
+    }
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    if (is_saved_storage[i] && nodes[i].role == MemoryRole::kCompute) {
+      out.saved_bytes += alloc[i];
+    } else if (is_saved_storage[i] && nodes[i].role == MemoryRole::kInput) {
+      out.saved_bytes += alloc[i];
+    }
+    if (saved(i) && nodes[i].role != MemoryRole::kTangent) ++out.saved_count;
+    if (fate[i] == RematFate::kRecomputed) ++out.recomputed_count;
+  }
+
+  std::array<int64_t, kNumCategories> live{};
+  auto total = [&](const std::array<int64_t, kNumCategories>& extra) {
+    int64_t t = 0;
+    for (int c = 0; c < kNumCategories; ++c) t += persistent[c] + live[c] + extra[c];
+    return t;
+  };
+  auto record = [&](const std::array<int64_t, kNumCategories>& extra, const char* phase,
+                    const std::string& at) {
+    const int64_t t = total(extra);
+    if (t <= out.peak) return;
+    out.peak = t;
+    out.phase = phase;
+    out.peak_node = at;
+    out.parameters = persistent[kParamsCat] + live[kParamsCat] + extra[kParamsCat];
+    out.gradients = persistent[kGradsCat] + live[kGradsCat] + extra[kGradsCat];
+    out.optimizer_state = persistent[kOptimCat] + live[kOptimCat] + extra[kOptimCat];
+    out.saved_activations = persistent[kSavedCat] + live[kSavedCat] + extra[kSavedCat];
+    out.transient = persistent[kTransientCat] + live[kTransientCat] + extra[kTransientCat];
+    out.communication = persistent[kCommCat] + live[kCommCat] + extra[kCommCat];
+    out.inputs = persistent[kInputsCat] + live[kInputsCat] + extra[kInputsCat];
+  };
+  std::vector<int64_t> instance_bytes(2 * n, 0);
+  auto free_instance = [&](int32_t s) {
+    live[category[s]] -= instance_bytes[s];
+    instance_bytes[s] = 0;
+  };
+  // Runs one program (forward or backward): `order` lists node indices, `storage(i)` maps a
+  // node to the instance holding its output, `owns(i)` says whether running i allocates it.
+  auto run = [&](const std::vector<int32_t>& order, auto&& storage, auto&& owns,
+                 const char* phase) {
+    std::vector<int32_t> last_use(2 * n, -1);
+    for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
+      const int32_t i = order[p];
+      last_use[storage(i)] = std::max(last_use[storage(i)], p);
+      for (int32_t w : inputs[i]) last_use[storage(w)] = std::max(last_use[storage(w)], p);
+    }
+    std::vector<std::vector<int32_t>> frees(order.size());
+    for (int32_t s = 0; s < 2 * n; ++s) {
+      if (last_use[s] >= 0 && !held[s]) frees[last_use[s]].push_back(s);
+    }
+    for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
+      const int32_t i = order[p];
+      if (owns(i)) {
+        const int32_t s = storage(i);
+        instance_bytes[s] += alloc[i];
+        live[category[s]] += alloc[i];
+      }
+      std::array<int64_t, kNumCategories> extra{};
+      extra[kTransientCat] = scratch[i];
+      record(extra, phase, nodes[i].facts.name);
+      for (int32_t s : frees[p]) free_instance(s);
+    }
+  };
+
+  // Forward: every op the forward graph computes, in graph order: the ops the forward's
+  // outputs need, the saved values (a getitem of a forward op that only the backward reads is
+  // saved without being "required" by the forward) and whatever those need.
+  std::vector<uint8_t> in_forward(n, 0);
+  for (int32_t i = n - 1; i >= 0; --i) {
+    if (nodes[i].role != MemoryRole::kCompute) continue;
+    if (is_forward_op(nodes[i]) || fate[i] == RematFate::kSaved) in_forward[i] = 1;
+    if (!in_forward[i]) continue;
+    for (int32_t w : inputs[i]) in_forward[w] = 1;
+  }
+  std::vector<int32_t> fw_order;
+  for (int32_t i = 0; i < n; ++i) {
+    if (in_forward[i] && nodes[i].role == MemoryRole::kCompute) fw_order.push_back(i);
+  }
+  run(
+      fw_order, [&](int32_t i) { return root(i); },
+      [&](int32_t i) { return nodes[i].alias_of < 0; }, "forward");
+
+  // Backward: each backward op preceded by the recomputations it needs, in graph order
+  // (PyTorch's reordering_to_mimic_autograd_engine).
+  std::vector<uint8_t> emitted(n, 0);
+  std::vector<int32_t> bw_order;
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role != MemoryRole::kCompute || in_forward[i] || emitted[i]) continue;
+    std::vector<int32_t> pending, stack{i};
+    while (!stack.empty()) {
+      const int32_t v = stack.back();
+      stack.pop_back();
+      if (emitted[v]) continue;
+      emitted[v] = 1;
+      pending.push_back(v);
+      for (int32_t w : inputs[v]) {
+        if (nodes[w].role != MemoryRole::kCompute || emitted[w] || saved(w)) continue;
+        if (fate[w] == RematFate::kForwardOnly) {
+          throw std::invalid_argument("[memory] backward op " + nodes[v].facts.name + " reads " +
+                                      nodes[w].facts.name +
+                                      ", which is neither saved nor recomputed");
+        }
+        stack.push_back(w);
+      }
+    }
+    std::sort(pending.begin(), pending.end());
+    bw_order.insert(bw_order.end(), pending.begin(), pending.end());
+  }
+  // A node's output in the backward: the backward's own allocation, unless the alias chain
+  // reaches a saved value or a placeholder first (then the forward's instance, still held).
+  auto bw_storage = [&](int32_t i) {
+    int32_t j = i;
+    while (true) {
+      if (nodes[j].role != MemoryRole::kCompute || saved(j) || !emitted[j]) return root(j);
+      if (nodes[j].alias_of < 0) return n + j;
+      j = nodes[j].alias_of;
+    }
+  };
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role == MemoryRole::kTangent) {
+      instance_bytes[i] = alloc[i];
+      live[kTransientCat] += alloc[i];
+    }
+  }
+  for (int32_t i : bw_order) {
+    if (nodes[i].gradient) {
+      const int32_t s = bw_storage(i);
+      held[s] = 1;
+      category[s] = kGradsCat;
+    }
+  }
+  // Saved storages are released by the backward at their last use there: un-hold them.
+  for (int32_t r = 0; r < n; ++r) {
+    if (is_saved_storage[r] && !nodes[r].forward_output) held[r] = 0;
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].forward_output) held[root(i)] = 1;
+  }
+  // A saved storage the backward never reads is released when the backward starts.
+  std::vector<uint8_t> read_in_bw(2 * n, 0);
+  for (int32_t i : bw_order) {
+    read_in_bw[bw_storage(i)] = 1;
+    for (int32_t w : inputs[i]) read_in_bw[bw_storage(w)] = 1;
+  }
+  for (int32_t r = 0; r < n; ++r) {
+    if (is_saved_storage[r] && !read_in_bw[r] && !held[r]) free_instance(r);
+  }
+  run(
+      bw_order, bw_storage,
+      [&](int32_t i) { return nodes[i].alias_of < 0 && bw_storage(i) == n + i; }, "backward");
+
+  // Optimizer step: parameters, gradients, state and the step's temporaries.
+  std::array<int64_t, kNumCategories> extra{};
+  extra[kOptimCat] = optimizer_workspace_bytes(options.training);
+  // Activations still live here would be a leak in the graph; only gradients and held
+  // forward outputs (the loss) remain.
+  record(extra, "optimizer", "optimizer.step");
+  return out;
+}
+
+}  // namespace autosp

@@ -1,0 +1,233 @@
+// The remat policies' ban sets (see remat_detail.h): PyTorch's default partitioner heuristics,
+// sequence-aware's bans and matmul candidates, and none.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <queue>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "plan/remat_detail.h"
+
+namespace autosp::remat_detail {
+
+namespace {
+
+// PyTorch's is_materialized_backwards: some (view-transitive) user outside the forward cannot
+// fuse with this node.
+bool materialized_backward(const Prepared& p, int32_t start) {
+  const auto& nodes = p.graph->nodes;
+  if (nodes[start].kind == RematOpKind::kView) return false;
+  std::vector<int32_t> stack{start};
+  std::vector<bool> seen(nodes.size(), false);
+  seen[start] = true;
+  while (!stack.empty()) {
+    const int32_t cur = stack.back();
+    stack.pop_back();
+    const RematNode& node = nodes[cur];
+    for (size_t k = 0; k < node.users.size(); ++k) {
+      const int32_t user = node.users[k];
+      if (!nodes[user].required_fw && !fusible_edge(node, k)) return true;
+      if (nodes[user].kind == RematOpKind::kView && !seen[user]) {
+        seen[user] = true;
+        stack.push_back(user);
+      }
+    }
+  }
+  return false;
+}
+
+bool reduces_4x(const RematGraph& graph, int32_t i) {
+  int64_t inputs = 0;
+  for (int32_t a : graph.nodes[i].args) inputs += graph.nodes[a].bytes;
+  return graph.nodes[i].bytes * 4 < inputs;
+}
+
+// PyTorch's find_first_unfusible: the forward order of the first non-fusible use reachable from
+// `starts` through fusible edges, or max_range.
+int32_t first_unfusible(const Prepared& p, const std::vector<int32_t>& starts, int32_t max_range) {
+  const auto& nodes = p.graph->nodes;
+  // (order, fusible flag, node); the unfusible entry of a node pops before its fusible one.
+  using Entry = std::tuple<int32_t, bool, int32_t>;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  std::vector<uint8_t> pushed(nodes.size(), 0);  // bit 0: pushed fusible, bit 1: unfusible
+  for (int32_t s : starts) {
+    if (!(pushed[s] & 1)) {
+      pushed[s] |= 1;
+      heap.emplace(p.fw_order[s], true, s);
+    }
+  }
+  while (!heap.empty()) {
+    auto [order, is_fusible, cur] = heap.top();
+    heap.pop();
+    if (!is_fusible) return order;
+    const RematNode& node = nodes[cur];
+    for (size_t k = 0; k < node.users.size(); ++k) {
+      const int32_t user = node.users[k];
+      if (!nodes[user].required_fw || p.fw_order[user] > max_range) continue;
+      const bool f = fusible_edge(node, k);
+      const uint8_t bit = f ? 1 : 2;
+      if (!(pushed[user] & bit)) {
+        pushed[user] |= bit;
+        heap.emplace(p.fw_order[user], f, user);
+      }
+    }
+  }
+  return max_range;
+}
+
+}  // namespace
+
+void default_bans(const Prepared& p, const RematOptions& options, Bans& bans) {
+  const auto& nodes = p.graph->nodes;
+  const auto n = static_cast<int32_t>(nodes.size());
+  for (int32_t i = 0; i < n; ++i) {
+    const RematNode& node = nodes[i];
+    if (node.required_bw && node.tangents_closure) continue;
+    if (node.must_recompute) continue;
+    if (node.primal_input) bans.ban(i, "primal input");
+    if (!node.required_fw || node.kind == RematOpKind::kInput || node.getitem) continue;
+    if (node.must_save) {
+      bans.ban(i, "marked MUST_SAVE");
+      continue;
+    }
+    if (node.kind != RematOpKind::kCheap && node.kind != RematOpKind::kView) {
+      bans.ban(i, std::string("not in recomputable allowlist (") + to_string(node.kind) + ")");
+      continue;
+    }
+    if (materialized_backward(p, i)) {
+      bans.ban(i, "materialized in backward");
+      continue;
+    }
+    if (p.dist_from_bw[i] < 1000 && p.dist_from_bw[i] > options.max_dist_from_bw) {
+      bans.ban(i, "too far from backward");
+      continue;
+    }
+    if (reduces_4x(*p.graph, i)) bans.ban(i, "reduction op");
+  }
+
+  // ban_if_used_far_apart
+  for (int32_t used = 0; used < n; ++used) {
+    if (!nodes[used].required_fw) continue;
+    const RematNode& node = nodes[used];
+    std::vector<int32_t> fw_users;
+    int32_t max_order = -1;
+    for (int32_t u : node.users) {
+      if (nodes[u].required_fw) {
+        fw_users.push_back(u);
+        max_order = std::max(max_order, p.fw_order[u]);
+      }
+    }
+    if (fw_users.empty()) continue;
+    const int32_t first = first_unfusible(p, fw_users, max_order);
+    for (size_t k = 0; k < node.users.size(); ++k) {
+      const int32_t u = node.users[k];
+      if (nodes[u].required_fw && p.fw_order[u] > first && fusible_edge(node, k)) {
+        if (bans.banned(u)) continue;
+        bans.ban(u, "used far apart from a fusible producer");
+      }
+    }
+  }
+
+  // ban_if_long_fusible_chains
+  std::vector<bool> visited(n, false);
+  for (int32_t start = 0; start < n; ++start) {
+    if (!nodes[start].required_fw) continue;
+    using Entry = std::pair<int32_t, int32_t>;  // (fw order, node)
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+    heap.emplace(p.fw_order[start], start);
+    const int32_t start_order = p.fw_order[start];
+    while (!heap.empty()) {
+      const int32_t cur = heap.top().second;
+      heap.pop();
+      if (visited[cur]) continue;
+      visited[cur] = true;
+      if (p.fw_order[cur] > start_order + 100 && heap.empty()) {
+        bans.ban(cur, "long fusible chain");
+        break;
+      }
+      const RematNode& node = nodes[cur];
+      for (size_t k = 0; k < node.users.size(); ++k) {
+        const int32_t u = node.users[k];
+        if (nodes[u].required_fw && fusible_edge(node, k) && !bans.banned(u)) {
+          heap.emplace(p.fw_order[u], u);
+        }
+      }
+    }
+  }
+}
+
+// Matmuls the sequence-aware policy may recompute, most bytes saved per FLOP first.
+std::vector<int32_t> matmul_candidates(const RematGraph& graph) {
+  std::vector<int32_t> candidates;
+  for (int32_t i = 0; i < static_cast<int32_t>(graph.nodes.size()); ++i) {
+    const RematNode& node = graph.nodes[i];
+    if (node.required_fw && node.kind == RematOpKind::kMatmul && !node.must_save &&
+        node.flops > 0) {
+      candidates.push_back(i);
+    }
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [&](int32_t a, int32_t b) {
+    const RematNode& x = graph.nodes[a];
+    const RematNode& y = graph.nodes[b];
+    // x.bytes / x.flops > y.bytes / y.flops, without dividing.
+    return static_cast<double>(x.bytes) * y.flops > static_cast<double>(y.bytes) * x.flops;
+  });
+  return candidates;
+}
+
+void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, Bans& bans) {
+  const auto& nodes = p.graph->nodes;
+  for (int32_t i = 0; i < static_cast<int32_t>(nodes.size()); ++i) {
+    const RematNode& node = nodes[i];
+    if (node.required_bw && node.tangents_closure) continue;
+    if (node.must_recompute) continue;
+    if (node.primal_input) bans.ban(i, "primal input");
+    if (!node.required_fw || node.kind == RematOpKind::kInput || node.getitem) continue;
+    if (node.must_save) {
+      bans.ban(i, "marked MUST_SAVE");
+      continue;
+    }
+    switch (node.kind) {
+      case RematOpKind::kCollective:
+        bans.ban(i, "collective");
+        break;
+      case RematOpKind::kRandom:
+        bans.ban(i, "random op");
+        break;
+      case RematOpKind::kAttention:
+        bans.ban(i, "attention");
+        break;
+      case RematOpKind::kOther:
+        bans.ban(i, "op without a recompute rule");
+        break;
+      case RematOpKind::kMatmul:
+        if (!admitted[i]) {
+          bans.ban(i, node.flops > 0 ? "matmul over the recompute FLOP allowance"
+                                     : "matmul with unknown FLOPs");
+        }
+        break;
+      case RematOpKind::kCheap:
+        if (reduces_4x(*p.graph, i)) bans.ban(i, "reduction op");
+        break;
+      case RematOpKind::kView:
+      case RematOpKind::kInput:
+        break;
+    }
+  }
+}
+
+void none_bans(const Prepared& p, Bans& bans) {
+  const auto& nodes = p.graph->nodes;
+  for (int32_t i = 0; i < static_cast<int32_t>(nodes.size()); ++i) {
+    const RematNode& node = nodes[i];
+    if (node.required_bw && node.tangents_closure) continue;
+    if (node.must_recompute) continue;
+    if (node.primal_input) bans.ban(i, "primal input");
+    if (node.required_fw && node.kind != RematOpKind::kInput) bans.ban(i, "policy 'none'");
+  }
+}
+
+}  // namespace autosp::remat_detail

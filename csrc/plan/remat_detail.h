@@ -1,0 +1,74 @@
+// Internal to the remat solver (plan/remat.cpp, remat_bans.cpp, remat_cut.cpp): the graph facts
+// every solve of a budget search shares, and the ban set each policy builds (which nodes the cut
+// may not recompute, with why).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "plan/remat.h"
+
+namespace autosp::remat_detail {
+
+constexpr int32_t kFarFromBackward = 1000000000;  // PyTorch's int(1e9)
+
+inline std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+inline bool fusible_edge(const RematNode& node, size_t user_slot) {
+  return node.fusible_user[user_slot] != 0;
+}
+
+// Everything solve_once needs that does not change between the solves of a budget search.
+struct Prepared {
+  const RematGraph* graph;
+  std::vector<int32_t> dist_from_bw;
+  std::vector<std::vector<int32_t>> preds;
+  std::vector<int32_t> fw_order;  // -1 when not a forward node
+};
+
+// The ban set: node index -> reason. Mirrors ban_recomputation_if_allowed: views, nodes the
+// user marked must-recompute and SymFloats are never banned.
+class Bans {
+ public:
+  explicit Bans(const RematGraph& graph) : graph_(&graph), reason_(graph.nodes.size()) {}
+
+  bool ban(int32_t i, const std::string& reason) {
+    const RematNode& node = graph_->nodes[i];
+    if (node.kind == RematOpKind::kView || node.must_recompute ||
+        node.save_cost == RematSaveCost::kSymFloat) {
+      return false;
+    }
+    if (reason_[i].empty()) reason_[i] = reason;
+    return true;
+  }
+  bool banned(int32_t i) const { return !reason_[i].empty(); }
+  const std::vector<std::string>& reasons() const { return reason_; }
+
+ private:
+  const RematGraph* graph_;
+  std::vector<std::string> reason_;
+};
+
+// Each policy's bans (remat_bans.cpp).
+// PyTorch's default partitioner bans (its allowlist, heavy ops, ops far from the backward...).
+void default_bans(const Prepared& p, const RematOptions& options, Bans& bans);
+// The matmuls the sequence-aware policy may recompute, in cost-model order.
+std::vector<int32_t> matmul_candidates(const RematGraph& graph);
+// Sequence-aware: attention, collectives and random ops banned; matmuls unless `admitted`.
+void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, Bans& bans);
+// None: every forward node the backward reads is saved.
+void none_bans(const Prepared& p, Bans& bans);
+
+// One min-cut solve for a ban set (remat_cut.cpp).
+struct CutResult {
+  std::vector<int32_t> saved;
+  std::vector<int32_t> recomputed;
+  int64_t saved_bytes = 0;
+  int64_t cut_value = 0;
+  int32_t flow_vertices = 0;
+  int32_t flow_edges = 0;
+};
+CutResult solve_once(const Prepared& p, const Bans& bans, RematPolicy policy);
+
+}  // namespace autosp::remat_detail
