@@ -287,8 +287,15 @@ def plan_ulysses(graph: Graph, config: SpConfig) -> SpPlan:
     Plan Ulysses sequence parallelism for one rank; raises PlanError for models it cannot make exact.
     """
 
+def print_placements(graph: Graph, plan: SpPlan) -> str:
+    """
+    The placements a plan gave the input graph, one line per node: the operands it ran on (with the SP op that made each so) and its results.
+    """
+
 def registered_ops() -> list[str]:
-    """Canonical ops with a placement rule."""
+    """
+    Canonical ops with a placement rule or their own emitter (the op table's rows).
+    """
 
 INFINITE_CAPACITY: int = 9223372036854775807
 

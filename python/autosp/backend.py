@@ -160,6 +160,7 @@ class SequenceParallelBackend:
                     raise AutospError(str(e)) from None
                 t2 = time.perf_counter()
                 rec.stages.append(Stage("ulysses", str(plan), t2 - t1))
+                rec.stages.append(Stage("placements", _core.print_placements(bridge.graph, plan), 0.0))
                 rec.collective_counts = dict(plan.collective_counts())
                 rec.gathered = list(plan.gathered)
                 rec.tiled_masks = [str(n.loc) for n in plan.graph.nodes if "mask_tiles" in n.attrs]
