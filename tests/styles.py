@@ -61,16 +61,24 @@ def padding_mask(seq_len: int) -> torch.Tensor:
 # ======================================================================================
 # 1. nanoGPT (Karpathy): fused c_attn split, view/transpose, SDPA is_causal, learned wpe
 # from torch.arange, tied wte/lm_head, CE over logits.view(-1, V) with ignore_index=-1.
+# flash=False: nanoGPT's attention by hand (q @ k^T, the tril buffer sliced to [:T, :T],
+# softmax, dropout, @ v), which autosp splits by heads like SDPA.
 # The data loader shifts the targets (y = x[1:]); ignored targets are -1.
 
 
 class NanoCausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, flash: bool = True, block_size: int = 64,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=True)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=True)
         self.n_head = n_head
         self.n_embd = n_embd
+        self.flash = flash
+        self.attn_dropout = nn.Dropout(dropout)
+        if not flash:  # nanoGPT's path without flash attention: the causal mask as a buffer
+            self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size))
+                                 .view(1, 1, block_size, block_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
@@ -78,7 +86,14 @@ class NanoCausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -95,10 +110,10 @@ class NanoMLP(nn.Module):
 
 
 class NanoBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, **attn: object) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = NanoCausalSelfAttention(n_embd, n_head)
+        self.attn = NanoCausalSelfAttention(n_embd, n_head, **attn)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = NanoMLP(n_embd)
 
@@ -110,14 +125,15 @@ class NanoBlock(nn.Module):
 
 class NanoGPT(nn.Module):
     def __init__(self, vocab_size: int = VOCAB, block_size: int = 64, n_layer: int = 2,
-                 n_head: int = HEADS, n_embd: int = HIDDEN) -> None:
+                 n_head: int = HEADS, n_embd: int = HIDDEN, flash: bool = True) -> None:
         super().__init__()
         self.block_size = block_size
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd),
             wpe=nn.Embedding(block_size, n_embd),
             drop=nn.Dropout(0.0),
-            h=nn.ModuleList([NanoBlock(n_embd, n_head) for _ in range(n_layer)]),
+            h=nn.ModuleList([NanoBlock(n_embd, n_head, flash=flash, block_size=block_size)
+                             for _ in range(n_layer)]),
             ln_f=nn.LayerNorm(n_embd),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -870,6 +886,7 @@ LISTED: list[Style] = [
 
 # Further styles (world 2).
 EXTRA: list[Style] = [
+    Style("nanogpt-attention-by-hand", lambda: NanoGPT(n_layer=1, flash=False), nanogpt_inputs),
     Style("llama-scratch-cos-sin-kv2", _llama(rope="cos_sin", n_kv_heads=2, n_layers=1), ids_labels),
     Style("llama-scratch-cos-sin-mha", _llama(rope="cos_sin", n_kv_heads=HEADS, n_layers=1),
           ids_labels),

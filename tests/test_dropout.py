@@ -68,12 +68,32 @@ def test_each_rank_draws_its_chunk_of_a_full_length_mask(backend: str) -> None:
         torch.testing.assert_close(torch.cat([out0, out1], 1), ref, rtol=0, atol=0)
 
 
-def _training_worker(rank: int, world: int) -> list[dict[str, Any]]:
+def _attention_dropped() -> nn.Module:
+    """nanoGPT with attention written by hand and dropout on the attention probabilities,
+    which autosp computes split by heads (the mask: this rank's heads of the full draw)."""
+    import styles
+
+    model = styles.NanoGPT(n_layer=1, flash=False, vocab_size=16)
+    for block in model.transformer.h:
+        block.attn.attn_dropout.p = 0.2
+    return model
+
+
+def _training_worker(rank: int, world: int) -> dict[str, list[dict[str, Any]]]:
     import autosp
 
-    torch.manual_seed(0)
-    model = _Dropped(0.2)
-    compiled = autosp.compile(model, mesh=autosp.init_mesh(world), backend="aot_eager", remat="default")
+    mesh = autosp.init_mesh(world)
+    out = {}
+    for name, build in (("residual", lambda: _Dropped(0.2)), ("attention-probs", _attention_dropped)):
+        torch.manual_seed(0)
+        model = build()
+        compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="default")
+        out[name] = _train_two_steps(model, compiled)
+        out[name + ":gathered"] = list(compiled.gathered)
+    return out
+
+
+def _train_two_steps(model: nn.Module, compiled: Any) -> list[dict[str, Any]]:
     results = []
     for step in range(2):
         gen = torch.Generator().manual_seed(step)
@@ -93,8 +113,10 @@ def _training_worker(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def test_training_with_dropout_is_exact_with_aot_eager() -> None:
-    for rank, results in enumerate(run_ranks(2, _training_worker)):
-        for step, r in enumerate(results):
-            where = f"rank {rank} step {step}"
+    for rank, per_model in enumerate(run_ranks(2, _training_worker)):
+        assert per_model["attention-probs:gathered"] == [], per_model["attention-probs:gathered"]
+        for model, (step, r) in ((m, s) for m in ("residual", "attention-probs")
+                                 for s in enumerate(per_model[m])):
+            where = f"{model} rank {rank} step {step}"
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, (where, r["loss"], r["ref_loss"])
             assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)

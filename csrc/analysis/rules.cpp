@@ -104,6 +104,8 @@ const char* expansion_name(Expansion e) {
       return "scan";
     case Expansion::Combine:
       return "combine";
+    case Expansion::ToSequence:
+      return "to_sequence";
     case Expansion::None:
       break;
   }

@@ -21,11 +21,12 @@
 namespace autosp {
 
 struct OperandChange {
-  enum class Kind { Keep, Slice, ReducePartial };
+  enum class Kind { Keep, Slice, ReducePartial, Exchange };
   Kind kind = Kind::Keep;
-  int dim = -1;             // Slice: the operand's dim to slice
+  int dim = -1;             // Slice: the operand's dim to slice; Exchange: the dim to scatter
   int64_t inner = 1;        // Slice: factor right of S inside that dim
   int64_t check_below = 0;  // Slice: when > 0, first check every element is in [0, check_below)
+  int gather_dim = -1;      // Exchange: the operand's sharded sequence dim, gathered whole
 
   static OperandChange keep() { return {}; }
   static OperandChange slice(int dim, int64_t inner = 1) { return {Kind::Slice, dim, inner}; }
@@ -36,6 +37,12 @@ struct OperandChange {
     return {Kind::Slice, dim, 1, below};
   }
   static OperandChange reduce() { return {Kind::ReducePartial, -1, 1}; }
+  // An all-to-all (sp.all_to_all): the operand, sharded along the sequence in `seq_dim`,
+  // becomes sharded along the static dim `dim` (attention heads) with the whole sequence:
+  // how hand-written attention's scores are computed per head group, as Ulysses does.
+  static OperandChange exchange(int dim, int seq_dim) {
+    return {Kind::Exchange, dim, 1, 0, seq_dim};
+  }
   bool operator==(const OperandChange&) const = default;
 };
 
@@ -54,6 +61,7 @@ enum class Expansion {
   Shift,        // a slice dropping positions at the sequence's ends: sp.shift
   Scan,         // cumsum & co. along the sharded dim: local scan + the earlier ranks' totals
   Combine,      // a reduction over the sharded dim: local reduction, combined over ranks
+  ToSequence,   // a result sharded along heads goes back to the sequence (sp.all_to_all)
 };
 
 // "" for None, else "mean_partial", "halo", "shift", "scan" or "combine".

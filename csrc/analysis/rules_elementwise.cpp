@@ -53,11 +53,18 @@ RuleResult rule_elementwise(const RuleInput& r) {
 // draws at full length and keeps its chunk (attributes random_dim, random_inner and
 // random_outer tell the bridge where the chunk lies): the draw is the single-device one, and
 // every rank consumes the same random numbers, so replicated draws stay identical on all ranks.
+// A value split by heads keeps its heads of the full draw the same way.
 RuleResult rule_random(const RuleInput& r) {
   RuleResult res = rule_elementwise(r);
   if (res.out.empty() || !res.out[0].is_shard()) return res;
   const Placement p = res.out[0];
   const Dim& size = output_value(r, 0).shape[static_cast<size_t>(p.dim)];
+  if (size.is_static() && p.inner == 1) {  // split by heads (hand-written attention's scores)
+    res.attr_updates["random_dim"] = int64_t{p.dim};
+    res.attr_updates["random_inner"] = int64_t{1};
+    res.attr_updates["random_outer"] = int64_t{1};
+    return res;
+  }
   if (!size.has_seq() || size.power != 1 || size.offset != 0 || size.coef % p.inner != 0)
     conflict(r, describe_input(r, 0) + ", a random draw over a sharded dim of size " + size.str(),
              "a dim that is a multiple of S");

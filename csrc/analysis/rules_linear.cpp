@@ -17,6 +17,37 @@ RuleResult rule_linear(const RuleInput& r) {
   return keep_all(r, {r.in[0]});
 }
 
+namespace {
+
+// The output batch dim along which both matmul operands split into head groups, for attention
+// written by hand: the last batch dim where both have the same static size, a multiple of the
+// SP degree (and more than one group). -1 when there is none.
+int heads_dim(const RuleInput& r, const Value& a, const Value& b, int ro) {
+  for (int d = ro - 3; d >= 0; --d) {
+    const int da = d - (ro - a.rank()), db = d - (ro - b.rank());
+    if (da < 0 || db < 0) continue;
+    const Dim& x = a.shape[static_cast<size_t>(da)];
+    if (x.is_static() && x == b.shape[static_cast<size_t>(db)] && r.sp_size > 1 &&
+        x.coef % r.sp_size == 0)
+      return d;
+  }
+  return -1;
+}
+
+// A sequence dim an all-to-all can gather whole: S itself (no dropped positions), not merged.
+bool whole_sequence(const Value& v, const Placement& p) {
+  const Dim& d = v.shape.at(static_cast<size_t>(p.dim));
+  return p.is_shard() && p.inner == 1 && d.has_seq() && d.power == 1 && d.coef == 1 &&
+         d.offset == 0;
+}
+
+// A shard along a static dim (attention heads, after an exchange).
+bool static_shard(const Value& v, const Placement& p) {
+  return p.is_shard() && v.shape.at(static_cast<size_t>(p.dim)).is_static();
+}
+
+}  // namespace
+
 RuleResult rule_matmul(const RuleInput& r) {
   if (all_replicate_inputs(r)) return keep_all(r, all_replicate(r));
   const Value& a = input_value(r, 0);
@@ -28,6 +59,35 @@ RuleResult rule_matmul(const RuleInput& r) {
   const Placement pa = r.in[0], pb = r.in[1];
   RuleResult res;
   res.operands.assign(2, OperandChange::keep());
+  // Attention written by hand, the scores q @ k.transpose(-2, -1): both operands sharded along
+  // the sequence in their free dims, so the result would need the sequence split twice. As
+  // Ulysses does for SDPA, both are exchanged to hold a group of heads over the whole
+  // sequence; the scores are then split by heads ([B, H/P, S, S] per rank).
+  if (pa.is_shard() && pa.dim == a.rank() - 2 && pb.is_shard() && pb.dim == b.rank() - 1 &&
+      whole_sequence(a, pa) && whole_sequence(b, pb)) {
+    if (const int h = heads_dim(r, a, b, ro); h >= 0) {
+      res.operands[0] = OperandChange::exchange(h - (ro - a.rank()), pa.dim);
+      res.operands[1] = OperandChange::exchange(h - (ro - b.rank()), pb.dim);
+      res.out = {Placement::shard(h)};
+      return res;
+    }
+  }
+  // The scores, split by heads, times v (probs @ v): v is exchanged to the same heads, and
+  // the result goes back to the sequence layout.
+  if (static_shard(a, pa) && pa.dim < a.rank() - 2 &&
+      (pb.is_replicate() || (pb.dim == b.rank() - 2 && whole_sequence(b, pb)))) {
+    const int h = pa.dim + (ro - a.rank());
+    const int hb = h - (ro - b.rank());
+    if (hb >= 0 && b.shape[static_cast<size_t>(hb)] == a.shape[static_cast<size_t>(pa.dim)]) {
+      res.operands[1] =
+          pb.is_replicate() ? OperandChange::slice(hb) : OperandChange::exchange(hb, pb.dim);
+      res.out = {Placement::shard(h)};
+      const Dim& rows = out.shape[static_cast<size_t>(ro - 2)];
+      if (rows.has_seq() && rows.power == 1 && rows.coef == 1 && rows.offset == 0)
+        res.expansion = Expansion::ToSequence;
+      return res;
+    }
+  }
   // Contraction over the sequence: a[..., M, S] @ b[..., S, N] gives a partial sum.
   const bool a_k = pa.is_shard() && pa.dim == a.rank() - 1;
   const bool b_k = pb.is_shard() && pb.dim == b.rank() - 2;
@@ -60,8 +120,10 @@ RuleResult rule_matmul(const RuleInput& r) {
                describe_input(r, 0) + " and " + describe_input(r, 1) +
                    ": both operands are sharded along the sequence in different output dims",
                "at most one sequence-sharded operand in a matmul",
-               "This looks like attention written by hand (q @ k.transpose(-2, -1)); use "
-               "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+               "This looks like attention written by hand (q @ k.transpose(-2, -1)). autosp "
+               "splits it by heads when the operands share a batch dim (the heads) whose size is "
+               "a multiple of the SP degree (" +
+                   std::to_string(r.sp_size) + "); here none is.");
     outp = p;
   };
   if (pa.is_shard())

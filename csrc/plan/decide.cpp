@@ -88,6 +88,24 @@ RuleResult PlanBuilder::decide_or_gather(const Node& n, const OpRule* rule, std:
     return decide(n, rule, ins);
   } catch (const PlanError& refused) {
     const PlanError original = refused;
+    // Values split by heads (hand-written attention's scores) go back to the sequence layout
+    // for an op that cannot take them (heads.cpp), and the op is decided again.
+    std::vector<int> seq = ins;
+    bool moved = false;
+    for (int& v : seq)
+      if (v >= 0 && split_by_heads(v)) {
+        v = to_sequence(v, n.loc);
+        moved = true;
+      }
+    if (moved) {
+      try {
+        RuleResult res = decide(n, rule, seq);
+        ins = std::move(seq);
+        return res;
+      } catch (const PlanError&) {
+        ins = seq;  // gathered below from the sequence layout
+      }
+    }
     std::vector<int> full = gathered_inputs(n, ins, original);
     RuleResult res;
     try {

@@ -263,6 +263,17 @@ class PlanBuilder {
 
   void emit_sdpa(const Node& n);
 
+  // Values split by attention heads outside SDPA (heads.cpp). to_heads: sp.all_to_all from
+  // a sequence shard in `seq_dim` to a heads shard in `heads_dim` (the whole sequence).
+  // to_sequence: back from a shard along a static dim to a shard along the value's sequence
+  // dim (S itself); `v` unchanged when it is not so split. split_by_heads: whether it is.
+  int to_heads(int v, int heads_dim, int seq_dim, const SourceLoc& loc);
+  int to_sequence(int v, const SourceLoc& loc);
+  bool split_by_heads(int v) const;
+  // Expansion::ToSequence: the node, its result split by heads, and that result exchanged
+  // back to the sequence layout for every later reader.
+  void emit_to_sequence(const Node& n, std::vector<int> ins, const RuleResult& res);
+
   int grad_sync_if_replicated(int v, const SourceLoc& loc) {
     return placement(v).is_replicate() ? grad_sync(v, loc) : v;
   }

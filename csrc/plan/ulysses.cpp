@@ -241,7 +241,7 @@ void PlanBuilder::emit_input(const Node& n) {
 void PlanBuilder::emit_output(const Node& n) {
   std::vector<int> ins;
   for (int old : n.inputs) {
-    int v = mapped(old);
+    int v = to_sequence(mapped(old), n.loc);
     Placement p = placement(v);
     if (p.is_partial()) v = reduce_partial(v, n.loc);
     if (p.is_shard() && cfg_.gather_outputs && val(v).shape.at(p.dim).offset != 0)
@@ -279,6 +279,9 @@ std::vector<int> PlanBuilder::apply_operands(const Node& n, std::vector<int> ins
         break;
       case OperandChange::Kind::ReducePartial:
         ins[i] = reduce_partial(ins[i], n.loc);
+        break;
+      case OperandChange::Kind::Exchange:
+        ins[i] = to_heads(ins[i], c.dim, c.gather_dim, n.loc);
         break;
       case OperandChange::Kind::Keep:
         if (distributed_out && placement(ins[i]).is_replicate() && val(ins[i]).is_tensor())
@@ -352,6 +355,8 @@ void PlanBuilder::emit_generic(const Node& n, const OpRule* rule) {
       return emit_halo(n, std::move(args), res);
     case Expansion::Shift:
       return emit_shift(n, std::move(args), res);
+    case Expansion::ToSequence:
+      return emit_to_sequence(n, std::move(args), res);
     case Expansion::Scan:
     case Expansion::Combine:
       return emit_cross_rank(n, std::move(args), res.expansion == Expansion::Scan);

@@ -120,8 +120,10 @@ void PlanBuilder::emit_mean_partial(const Node& n, std::vector<int> ins) {
 
 void PlanBuilder::emit_cross_entropy(const Node& n) {
   std::vector<int> ins = mapped_inputs(n);
-  for (int& v : ins)
+  for (int& v : ins) {
+    if (v >= 0) v = to_sequence(v, n.loc);  // values split by heads (heads.cpp)
     if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+  }
   const Placement px = placement(ins[0]);
   const Placement pt = placement(ins[1]);
   if (px.is_replicate() && pt.is_replicate()) {
@@ -187,8 +189,10 @@ void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& a
 
 void PlanBuilder::emit_sdpa(const Node& n) {
   std::vector<int> ins = mapped_inputs(n);
-  for (int& v : ins)
+  for (int& v : ins) {
+    if (v >= 0) v = to_sequence(v, n.loc);  // values split by heads (heads.cpp)
     if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+  }
   const int P = static_cast<int>(cfg_.sp_size);
   bool any_shard = false;
   for (int v : ins) any_shard = any_shard || placement(v).is_shard();

@@ -66,6 +66,43 @@ TEST(Placements, NanoGptP2) {
   EXPECT_GOLDEN("placements_nanogpt_p2", placements(b.graph, {.sp_size = 2}));
 }
 
+// Attention written by hand (nanoGPT without flash attention): q @ k^T exchanges q and k to
+// groups of heads, the scores [B, H, S, S] are split by heads through the scale, the mask and
+// softmax, and probs @ v exchanges v and sends the result back to the sequence layout.
+TEST(Placements, AttentionByHandP2) {
+  const Dim B = C(2), H = C(4), D = C(8);
+  GraphBuilder b;
+  const int x = b.input("x", {B, S(), C(32)}, "f32", "data");
+  const int wq = b.param("q.weight", {C(32), C(32)});
+  const int mask = b.buffer("bias", {C(1), C(1), C(64), C(64)});
+  auto heads = [&](int w, int line) {
+    const int t = b.at(line).op("linear", {x, w}, {B, S(), C(32)});
+    const int r = b.at(line).op("reshape", {t}, {B, S(), H, D});
+    return b.at(line).op("permute", {r}, {B, H, S(), D}, {{"perm", Ints{0, 2, 1, 3}}});
+  };
+  const int q = heads(wq, 10), k = heads(wq, 11), v = heads(wq, 12);
+  const int kt = b.at(13, "att = (q @ k.transpose(-2, -1)) * scale")
+                     .op("permute", {k}, {B, H, D, S()}, {{"perm", Ints{0, 1, 3, 2}}});
+  const int att = b.at(13).op("matmul", {q, kt}, {B, H, S(), S()});
+  const int scaled = b.at(13).op("mul", {att}, {B, H, S(), S()}, {{"other", 0.35}});
+  const int m = b.at(14, "att = att.masked_fill(self.bias[:, :, :T, :T] == 0, -inf)")
+                    .op("index", {mask}, {C(1), C(1), S(), S()},
+                        {{"dim_map", Ints{0, 1, 2, 3}}, {"sliced_dims", Ints{2, 3}}});
+  const int is0 = b.at(14).op("eq", {m}, {C(1), C(1), S(), S()}, {{"pointwise", true}}, "bool");
+  const int filled = b.at(14).op("masked_fill", {scaled, is0}, {B, H, S(), S()});
+  const int p = b.at(15, "att = F.softmax(att, dim=-1)")
+                    .op("softmax", {filled}, {B, H, S(), S()}, {{"dim", int64_t{3}}});
+  const int y = b.at(16, "y = att @ v").op("matmul", {p, v}, {B, H, S(), D});
+  const int yt = b.at(17).op("permute", {y}, {B, S(), H, D}, {{"perm", Ints{0, 2, 1, 3}}});
+  const int y2 = b.at(17).op("reshape", {yt}, {B, S(), C(32)});
+  const int loss = b.at(18).op("sum", {y2}, {});
+  b.at(19).output({loss});
+  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2});
+  EXPECT_TRUE(plan.gathered.empty());
+  EXPECT_EQ(plan.collective_counts().at("sp.all_to_all"), 4);  // q, k, v, and y back
+  EXPECT_GOLDEN("placements_attention_by_hand_p2", print_placements(b.graph, plan));
+}
+
 // One graph with each way the plan expands an op: a replicated chain hoisted onto the local
 // chunk, a scan and a reduction across ranks, a mean over the sequence (partial), a partial
 // value scaled and reduced at the output, and an op without a rule run on the gathered

@@ -26,6 +26,7 @@ const Placement P = Placement::partial();
 Placement Sh(int dim, int64_t inner = 1) { return Placement::shard(dim, inner); }
 const OperandChange Keep = OperandChange::keep();
 OperandChange Slice(int dim, int64_t inner = 1) { return OperandChange::slice(dim, inner); }
+OperandChange Exchange(int dim, int seq_dim) { return OperandChange::exchange(dim, seq_dim); }
 
 // A RuleResult as a comparable value.
 struct Outcome {
@@ -52,6 +53,9 @@ void PrintTo(const Outcome& o, std::ostream* os) {
         break;
       case OperandChange::Kind::ReducePartial:
         *os << "ReducePartial";
+        break;
+      case OperandChange::Kind::Exchange:
+        *os << "Exchange(" << c.dim << ", seq " << c.gather_dim << ")";
         break;
     }
   }
@@ -821,20 +825,46 @@ TEST(MatmulRule, ContractionOverSequenceIsPartial) {
   EXPECT_EQ(run_rule(b, gram, {R, Sh(1)}), (Outcome{{P}, {Slice(2), Keep}}));
 }
 
-TEST(MatmulRule, HandWrittenAttentionError) {
+// Attention written by hand: q @ k.transpose(-2, -1) with both operands sharded along the
+// sequence exchanges both to a group of heads (the scores split by heads), and probs @ v
+// exchanges v to the same heads and sends the result back to the sequence layout.
+TEST(MatmulRule, HandWrittenAttentionIsSplitByHeads) {
   GraphBuilder b;
   const int q = b.input("q", {C(2), C(4), S(), C(16)}, "f32", "data");
   const int kt = b.input("kt", {C(2), C(4), C(16), S()}, "f32", "data");
+  const int v = b.input("v", {C(2), C(4), S(), C(16)}, "f32", "data");
+  const int scores = b.op("matmul", {q, kt}, {C(2), C(4), S(), S()});
+  EXPECT_EQ(run_rule(b, scores, {Sh(2), Sh(3)}),
+            (Outcome{{Sh(1)}, {Exchange(1, 2), Exchange(1, 3)}}));
+  const int o = b.op("matmul", {scores, v}, {C(2), C(4), S(), C(16)});
+  EXPECT_EQ(run_rule(b, o, {Sh(1), Sh(2)}),
+            (Outcome{{Sh(1)}, {Keep, Exchange(1, 2)}, {}, "to_sequence"}));
+  EXPECT_EQ(run_rule(b, o, {Sh(1), R}), (Outcome{{Sh(1)}, {Keep, Slice(1)}, {}, "to_sequence"}));
+  // [B * H, S, D] batched as in fairseq: the merged batch dim is the group.
+  const int q3 = b.input("q3", {C(8), S(), C(16)}, "f32", "data");
+  const int k3 = b.input("k3", {C(8), C(16), S()}, "f32", "data");
+  const int s3 = b.op("matmul", {q3, k3}, {C(8), S(), S()});
+  EXPECT_EQ(run_rule(b, s3, {Sh(1), Sh(2)}), (Outcome{{Sh(0)}, {Exchange(0, 1), Exchange(0, 2)}}));
+}
+
+// Neither heads nor batch splitting over the SP degree (3 heads, batch 1, P = 2): the error,
+// which the gather fallback turns into a run on the whole sequence. (With batch 2 the batch
+// is the group.)
+TEST(MatmulRule, HandWrittenAttentionError) {
+  GraphBuilder b;
+  const int q = b.input("q", {C(1), C(3), S(), C(16)}, "f32", "data");
+  const int kt = b.input("kt", {C(1), C(3), C(16), S()}, "f32", "data");
   const int scores = b.at(52, "scores = q @ k.transpose(-2, -1)")
                          .target("operator.matmul")
-                         .op("matmul", {q, kt}, {C(2), C(4), S(), S()});
+                         .op("matmul", {q, kt}, {C(1), C(3), S(), S()});
   EXPECT_EQ(rule_error(b, scores, {Sh(2), Sh(3)}),
             "[autosp:placement] op 'matmul' (operator.matmul) at model.py:52  "
-            "scores = q @ k.transpose(-2, -1): found input 0 f32[2, 4, S, 16] placed S(2) and "
-            "input 1 f32[2, 4, 16, S] placed S(3): both operands are sharded along the sequence "
+            "scores = q @ k.transpose(-2, -1): found input 0 f32[1, 3, S, 16] placed S(2) and "
+            "input 1 f32[1, 3, 16, S] placed S(3): both operands are sharded along the sequence "
             "in different output dims; expected at most one sequence-sharded operand in a matmul. "
-            "This looks like attention written by hand (q @ k.transpose(-2, -1)); use "
-            "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+            "This looks like attention written by hand (q @ k.transpose(-2, -1)). autosp splits "
+            "it by heads when the operands share a batch dim (the heads) whose size is a multiple "
+            "of the SP degree (2); here none is.");
 }
 
 TEST(MatmulRule, VectorOperandIsAnError) {
