@@ -329,7 +329,20 @@ MASKS = {
     "expand-heads": lambda m, ids, am: _causal_pad(ids, am).expand(ids.shape[0], m.heads, ids.shape[1],
                                                                    ids.shape[1]),
     "mask-weighted-loss": lambda m, ids, am: _causal_pad(ids, am),
+    # (found by a breaker review) squeeze of the query dim: a no-op at full length, but a tile
+    # of one row would lose the dim, so the mask stays whole.
+    "squeeze-query-dim": lambda m, ids, am: _causal_pad(ids, am).squeeze(2),
+    # A write after the chain (an attention sink by setitem): the mask stays whole, with it.
+    "setitem-sink": lambda m, ids, am: _sink(ids),
 }
+
+
+def _sink(ids: torch.Tensor) -> torch.Tensor:
+    p = _pos(ids)
+    m = torch.zeros(ids.shape[1], ids.shape[1]).masked_fill(
+        ~((p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - 4)), float("-inf"))
+    m[:, 0] = 0.0
+    return m
 TILED = {"where-float", "sliding-window", "documents-from-ids", "full-triu", "type-as-hidden", "tril-view-expand",
          "mask-weighted-loss"}
 

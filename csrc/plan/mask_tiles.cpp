@@ -7,6 +7,7 @@
 // local along the query dim. Such a mask is not computed whole: the chain of ops is recorded,
 // and sp's tiled attention (python/autosp/tiled_attention.py) replays it on each tile of query
 // rows, so a rank holds at most one [B, 1, tile, S] mask at a time.
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <utility>
@@ -94,6 +95,11 @@ std::optional<PlanBuilder::MaskTiles> PlanBuilder::mask_tiles(int mask, int qdim
       const auto q = reshape_shard(x.shape, in.shape, Placement::shard(d, 1));
       if (!q || q->inner != 1 ||
           !(in.shape[static_cast<size_t>(q->dim)] == x.shape[static_cast<size_t>(d)]))
+        return seen[{v, d}] = leaf();
+      // squeeze(d) of the query dim does nothing at full length (S > 1) but would drop a
+      // tile of one row.
+      const auto squeezed = p.ints_attr("squeeze_dims");
+      if (std::find(squeezed.begin(), squeezed.end(), q->dim) != squeezed.end())
         return seen[{v, d}] = leaf();
       req[0] = std::make_pair(q->dim, int64_t{1});
       how = sized ? kReshapeSize : kPlain;

@@ -37,9 +37,9 @@ class PlanBuilder {
  public:
   PlanBuilder(const Graph& in, const SpConfig& cfg)
       : in_(in), cfg_(cfg), vmap_(in.values.size(), -1) {
-    // Hoisting re-runs replicated work later in program order; with in-place ops in the
-    // graph that work could read a tensor mutated in between, so it is not done.
-    for (const Node& n : in.nodes) hoist_ = hoist_ && !n.bool_attr("inplace", false);
+    // Hoisting re-runs replicated work later in program order; with in-place ops or setitem
+    // in the graph that work could read a tensor mutated in between, so it is not done.
+    for (const Node& n : in.nodes) hoist_ = hoist_ && !writes_into_first_operand(n);
   }
 
   SpPlan run();

@@ -280,9 +280,16 @@ def _c_reshape(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     if name in ("view", "reshape") and sizes and not node.kwargs and all(
             isinstance(_example(s), (int, torch.SymInt)) for s in sizes):
         attrs["size_args"] = True
-    elif name in ("unsqueeze", "flatten") or (name == "squeeze" and (sizes or node.kwargs)):
-        # (not x.squeeze(): on a tile of one row it would drop the query dim too)
+    elif name in ("unsqueeze", "flatten"):
         attrs["size_free"] = True
+    elif name == "squeeze":
+        # The dims it may drop: x.squeeze() (any) is not replayed, and the core does not replay
+        # a squeeze of the query dim (a no-op at full length, not on a tile of one row).
+        dims = sizes if sizes else node.kwargs.get("dim", ())
+        dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+        if dims and all(isinstance(d, int) for d in dims):
+            attrs["size_free"] = True
+            attrs["squeeze_dims"] = [_norm(d, xr) for d in dims]
     return "reshape", _tensor_inputs(node, only=[0, 1] if name.endswith("_as") else [0]), attrs
 
 

@@ -131,6 +131,13 @@ TEST(MaskTiles, ReshapesKeepingTheQueryDimAreReplayed) {
     const int m = a.b.op("reshape", {ones}, {C(1), C(1), S(), S()}, {}, "bool");
     EXPECT_FALSE(sdpa_of(a.plan_with(m)).has_attr("mask_tiles"));
   }
+  {  // squeeze(0) of [S, S]: a no-op at full length, but not on a tile of one row
+    Attn a;
+    const int ones = a.b.op("ones", {}, {S(), S()}, {}, "bool");
+    const int m = a.b.op("reshape", {ones}, {S(), S()},
+                         {{"size_free", true}, {"squeeze_dims", Ints{0}}}, "bool");
+    EXPECT_FALSE(sdpa_of(a.plan_with(m)).has_attr("mask_tiles"));
+  }
   {  // [S * S] -> [S, S]: the query dim is made by the reshape
     Attn a;
     const int flat = a.b.op("ones", {}, {S(1, 2)}, {}, "bool");
@@ -156,6 +163,13 @@ TEST(MaskTiles, OtherMasksStayWhole) {
     Attn a;
     const int ones = a.b.op("ones", {}, {C(1), H, S(), S()}, {}, "bool");
     const int m = a.b.op("tril", {ones}, {C(1), H, S(), S()}, {}, "bool");
+    EXPECT_FALSE(sdpa_of(a.plan_with(m)).has_attr("mask_tiles"));
+  }
+  {  // m[:, 0] = 0 (setitem) after the chain: the replay would miss the write
+    Attn a;
+    const int ones = a.b.op("ones", {}, {S(), S()}, {}, "bool");
+    const int m = a.b.op("tril", {ones}, {S(), S()}, {}, "bool");
+    a.b.op("setitem", {m}, {}, {}, "bool");
     EXPECT_FALSE(sdpa_of(a.plan_with(m)).has_attr("mask_tiles"));
   }
   {  // a graph with an in-place op: replaying the chain later could read a changed tensor
