@@ -406,7 +406,9 @@ CASES: dict[str, Case] = {
     "einsum-ellipsis": Case(_lm(lambda m, h, ids: torch.einsum("...d,de->...e", h, m.proj.weight))),
     "einsum-broadcast-size1-s": Case(_lm(
         lambda m, h, ids: torch.einsum("bsd,bsd->bsd", h, m.pe[None, :1].expand(ids.size(0), 1, D)))),
+    # Split by the batch (no heads; batch 2 at P = 2), as hand-written attention is by heads.
     "einsum-attention": Case(_lm(lambda m, h, ids: torch.einsum("bst,btd->bsd", torch.einsum("bsd,btd->bst", h, h).softmax(-1), h))),
+    "einsum-attention-batch-3": Case(_lm(lambda m, h, ids: torch.einsum("bst,btd->bsd", torch.einsum("bsd,btd->bst", h, h).softmax(-1), h)), batch=3),
     "gather-token-logprob": Case(_lm(lambda m, h, ids: (
         h, -torch.gather(m.head(h).log_softmax(-1), -1, ids.unsqueeze(-1)).mean()))),
     "gather-along-s": Case(_lm(lambda m, h, ids: torch.gather(h, 1, ids[..., None].expand(-1, -1, D) % ids.size(1)))),
@@ -601,7 +603,7 @@ REFUSED = {
     "rand-rrelu": "no rule for 'rrelu' on a sequence-sharded tensor",
     "rand-alpha-dropout": "no rule for 'alpha_dropout' on a sequence-sharded tensor",
     "einsum-ellipsis": "expected an explicit output (\"->\") and no ellipsis",
-    "einsum-attention": "operands sharded along different letters ('s' and 't')",
+    "einsum-attention-batch-3": "operands sharded along different letters ('s' and 't')",
     "gather-along-s": "the op moves values along the sharded dim 1",
     "index-select-s": "the op moves values along the sharded dim 1",
     "scatter-add-s": "the op moves values along the sharded dim 1",
@@ -628,8 +630,8 @@ GATHERED = {
     "scan-cummax", "scan-cummin", "scan-merged-bs", "combine-max-dim-values",
     "combine-max-dim-keepdim-getitem", "combine-argmax", "combine-std", "combine-norm",
     "rand-bernoulli", "rand-rrelu", "rand-alpha-dropout", "scan-reverse-flip", "gather-along-s",
-    "index-select-s", "scatter-add-s", "einsum-ellipsis", "einsum-attention",
-    "gather-sdpa-mask-from-values", "gather-output-local", "args-group-norm-seq-channels",
+    "index-select-s", "scatter-add-s", "einsum-ellipsis",
+    "einsum-attention-batch-3", "gather-sdpa-mask-from-values", "gather-output-local", "args-group-norm-seq-channels",
     "args-norm-positional-p", "args-layer-norm-size-shape",
 }
 
@@ -665,7 +667,7 @@ DEFAULT = set(BROKEN) | {
     "scan-cummax", "scan-merged-bs", "combine-max-dim-values", "combine-hand-softmax-over-s",
     "combine-prod-zeros", "combine-logsumexp-12", "rand-dropout-module", "rand-dropout-merged-bs",
     "rand-dropout-replicated-buffer", "rand-bernoulli", "size-mean-by-shape", "size-view-star-shape",
-    "einsum-contract-s", "gather-token-logprob", "ids-negative", "flex-causal-gqa-kv1",
+    "einsum-contract-s", "einsum-attention", "gather-token-logprob", "ids-negative", "flex-causal-gqa-kv1",
     "flex-score-mod-h", "pw-clamp-tensor-bounds", "gather-setitem-features",
     "gather-write-through-seq-view", "gather-write-base-after-view", "gather-sdpa-mask-from-values",
     "sdpa-mask-from-param", "gather-output-local", "args-group-norm-seq-channels",

@@ -1,5 +1,8 @@
 // Placement rules: linear algebra: linear, matmul, einsum, layer norms.
 #include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "analysis/rule_kit.h"
 
@@ -110,8 +113,9 @@ RuleResult rule_matmul(const RuleInput& r) {
              describe_input(r, 0) + " and " + describe_input(r, 1) +
                  ": one operand is sharded along the contraction dim, the other elsewhere",
              "both operands sharded along the contraction dim, or one of them replicated",
-             "This looks like attention written by hand (probs @ v); use "
-             "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+             "If this is attention written by hand (probs @ v), autosp splits it by heads when "
+             "the scores are split by heads (q @ k.transpose(-2, -1) over a batch dim whose "
+             "size is a multiple of the SP degree).");
   }
   std::optional<Placement> outp;
   auto set = [&](Placement p) {
@@ -147,6 +151,62 @@ RuleResult rule_matmul(const RuleInput& r) {
   return res;
 }
 
+namespace {
+
+// Attention written with einsum, split by heads as rule_matmul splits q @ k^T and probs @ v:
+//   "bhqd,bhkd->bhqk" with q, k sharded along q and k: both exchanged to heads (S(1) out);
+//   "bhqk,bhkd->bhqd" with the scores split by heads, v sharded along k: v exchanged, the
+//   result back to the sequence layout. nullopt for any other einsum.
+std::optional<RuleResult> einsum_by_heads(const RuleInput& r, const std::vector<std::string>& terms,
+                                          const std::string& out_term) {
+  if (r.in.size() != 2 || !r.in[0].is_shard() || !r.in[1].is_shard()) return std::nullopt;
+  const Value& a = input_value(r, 0);
+  const Value& b = input_value(r, 1);
+  for (size_t i = 0; i < 2; ++i)
+    if (terms[i].size() != static_cast<size_t>(input_value(r, i).rank())) return std::nullopt;
+  auto letter_at = [&](size_t i) { return terms[i][static_cast<size_t>(r.in[i].dim)]; };
+  auto dim_of = [](const std::string& t, char c) { return static_cast<int>(t.find(c)); };
+  // The letter both terms and the output share with one static size, a multiple of P.
+  auto heads_letter = [&]() -> char {
+    for (auto it = out_term.rbegin(); it != out_term.rend(); ++it) {
+      const size_t ka = terms[0].find(*it), kb = terms[1].find(*it);
+      if (ka == std::string::npos || kb == std::string::npos) continue;
+      const Dim& x = a.shape[ka];
+      if (x.is_static() && x == b.shape[kb] && r.sp_size > 1 && x.coef % r.sp_size == 0) return *it;
+    }
+    return 0;
+  };
+  const char la = letter_at(0), lb = letter_at(1);
+  const bool seq_a = whole_sequence(a, r.in[0]), seq_b = whole_sequence(b, r.in[1]);
+  RuleResult res;
+  res.operands.assign(2, OperandChange::keep());
+  if (seq_a && seq_b && la != lb && out_term.find(la) != std::string::npos &&
+      out_term.find(lb) != std::string::npos && terms[1].find(la) == std::string::npos &&
+      terms[0].find(lb) == std::string::npos) {
+    const char h = heads_letter();
+    if (h == 0) return std::nullopt;
+    res.operands[0] = OperandChange::exchange(dim_of(terms[0], h), r.in[0].dim);
+    res.operands[1] = OperandChange::exchange(dim_of(terms[1], h), r.in[1].dim);
+    res.out = {Placement::shard(dim_of(out_term, h))};
+    return res;
+  }
+  if (static_shard(a, r.in[0]) && seq_b && terms[1].find(la) != std::string::npos &&
+      out_term.find(la) != std::string::npos && out_term.find(lb) == std::string::npos &&
+      b.shape[terms[1].find(la)] == a.shape[static_cast<size_t>(r.in[0].dim)]) {
+    res.operands[1] = OperandChange::exchange(dim_of(terms[1], la), r.in[1].dim);
+    res.out = {Placement::shard(dim_of(out_term, la))};
+    for (int d = 0; d < output_value(r, 0).rank(); ++d) {
+      const Dim& s = output_value(r, 0).shape[static_cast<size_t>(d)];
+      if (s.has_seq() && s.power == 1 && s.coef == 1 && s.offset == 0)
+        res.expansion = Expansion::ToSequence;
+    }
+    return res;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 // einsum: the sequence letter is the one a sharded operand has at its sharded dim. Kept in
 // the output, the output is sharded there; contracted, the output is a partial sum. Replicated
 // operands that carry the letter are sliced to the local chunk.
@@ -169,6 +229,7 @@ RuleResult rule_einsum(const RuleInput& r) {
     conflict(
         r, std::to_string(terms.size()) + " terms for " + std::to_string(r.in.size()) + " operands",
         "one term per operand");
+  if (auto heads = einsum_by_heads(r, terms, out_term)) return *heads;
   char letter = 0;
   for (size_t i = 0; i < r.in.size(); ++i) {
     if (!r.in[i].is_shard()) continue;
@@ -180,8 +241,10 @@ RuleResult rule_einsum(const RuleInput& r) {
                "operands sharded along different letters ('" + std::string(1, letter) + "' and '" +
                    std::string(1, c) + "') of \"" + eq + "\"",
                "one sequence letter",
-               "This looks like attention written by hand; use "
-               "torch.nn.functional.scaled_dot_product_attention, which autosp parallelises.");
+               "This looks like attention written by hand. autosp splits it by heads when both "
+               "operands share a letter of the output (the heads) whose size is a multiple of the "
+               "SP degree (" +
+                   std::to_string(r.sp_size) + "); here none is.");
     letter = c;
   }
   RuleResult res;

@@ -493,7 +493,8 @@ TEST(ScatterGatherRule, AlongOtherDims) {
 }
 
 // einsum: the sequence letter kept in the output shards it; contracted, a partial sum; two
-// sequence letters (hand-written attention) are refused.
+// sequence letters (hand-written attention) are split by a shared letter that divides P (the
+// batch here), and refused without one.
 TEST(EinsumRule, SequenceLetter) {
   GraphBuilder b;
   const int x = b.input("x", {C(2), S(), C(16)}, "f32", "data");
@@ -506,7 +507,11 @@ TEST(EinsumRule, SequenceLetter) {
   EXPECT_EQ(run_rule(b, proj, {Sh(1), R}), (Outcome{{Sh(2)}, {Keep, Keep}}));
   EXPECT_EQ(run_rule(b, gram, {Sh(1), R}), (Outcome{{P}, {Keep, Slice(1)}}));
   EXPECT_EQ(run_rule(b, gram, {Sh(1), Sh(1)}), (Outcome{{P}, {Keep, Keep}}));
-  EXPECT_TRUE(contains(rule_error(b, attn, {Sh(1), Sh(1)}), "sharded along different letters"));
+  EXPECT_EQ(run_rule(b, attn, {Sh(1), Sh(1)}),
+            (Outcome{{Sh(0)}, {Exchange(0, 1), Exchange(0, 1)}}));
+  const int x3 = b.input("x3", {C(3), S(), C(16)}, "f32", "data");
+  const int attn3 = b.op("einsum", {x3, x3}, {C(3), S(), S()}, {{"equation", "bsd,btd->bst"}});
+  EXPECT_TRUE(contains(rule_error(b, attn3, {Sh(1), Sh(1)}), "sharded along different letters"));
   EXPECT_TRUE(contains(rule_error(b, implicit, {Sh(1), R}), "expected an explicit output"));
 }
 
@@ -845,6 +850,14 @@ TEST(MatmulRule, HandWrittenAttentionIsSplitByHeads) {
   const int k3 = b.input("k3", {C(8), C(16), S()}, "f32", "data");
   const int s3 = b.op("matmul", {q3, k3}, {C(8), S(), S()});
   EXPECT_EQ(run_rule(b, s3, {Sh(1), Sh(2)}), (Outcome{{Sh(0)}, {Exchange(0, 1), Exchange(0, 2)}}));
+  // The same written with einsum.
+  const Attrs qk_eq = {{"equation", std::string("bhqd,bhkd->bhqk")}};
+  const int es = b.op("einsum", {q, v}, {C(2), C(4), S(), S()}, qk_eq);
+  EXPECT_EQ(run_rule(b, es, {Sh(2), Sh(2)}), (Outcome{{Sh(1)}, {Exchange(1, 2), Exchange(1, 2)}}));
+  const Attrs pv_eq = {{"equation", std::string("bhqk,bhkd->bhqd")}};
+  const int eo = b.op("einsum", {es, v}, {C(2), C(4), S(), C(16)}, pv_eq);
+  EXPECT_EQ(run_rule(b, eo, {Sh(1), Sh(2)}),
+            (Outcome{{Sh(1)}, {Keep, Exchange(1, 2)}, {}, "to_sequence"}));
 }
 
 // Neither heads nor batch splitting over the SP degree (3 heads, batch 1, P = 2): the error,
