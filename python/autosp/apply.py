@@ -236,6 +236,9 @@ class _Replayer:
                 sizes[d] = self.graph.call_function(operator.floordiv, (s, self.ctx.world))
             elif isinstance(s, int) and s == -1:
                 continue
+            elif isinstance(s, int) and size.power == 0 and not size.opaque and s == size.coef:
+                # a static dim split over the ranks (attention heads, see csrc/plan/heads.cpp)
+                sizes[d] = s // self.ctx.world
             else:
                 raise AutospError(
                     f"[autosp:apply] op '{name}' at {_loc(fxn)}: found size argument {s!r} for the "
