@@ -121,6 +121,23 @@ def _tie_body(reduce: str) -> Callable:
     return body
 
 
+def _attention_by_hand(form: str) -> Callable:
+    """Attention written by hand over 4 heads of h (q = k = v = h's heads), split by heads
+    under SP; forms found by a breaker review of that split."""
+    def body(m, h, ids):
+        B, T, _ = h.shape
+        q = h.view(B, T, 4, -1).transpose(1, 2)
+        k = (h * 0.5).view(B, T, 4, -1).transpose(1, 2)
+        att = (q @ (k.mT if form == "mT" else k.transpose(-2, -1))) * 0.3
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        if form == "setitem":
+            att[causal.expand(B, 4, T, T)] = float("-inf")  # (a boolean write: masked_fill_)
+        else:
+            att = att.masked_fill(causal, float("-inf"))
+        return (att.softmax(-1) @ q).transpose(1, 2).reshape(B, T, -1)
+    return body
+
+
 def _hand_softmax_over_s(m, h, ids):
     mx = h.amax(1, keepdim=True)
     e = torch.exp(h - mx)
@@ -406,6 +423,11 @@ CASES: dict[str, Case] = {
     "einsum-ellipsis": Case(_lm(lambda m, h, ids: torch.einsum("...d,de->...e", h, m.proj.weight))),
     "einsum-broadcast-size1-s": Case(_lm(
         lambda m, h, ids: torch.einsum("bsd,bsd->bsd", h, m.pe[None, :1].expand(ids.size(0), 1, D)))),
+    # Attention written by hand, split by heads: k.mT (getattr, was "nontensor": silent), a
+    # boolean setitem into the scores; x.mT @ x outside attention (a partial sum over S).
+    "attn-by-hand-mT": Case(_lm(_attention_by_hand("mT"))),
+    "attn-by-hand-setitem": Case(_lm(_attention_by_hand("setitem"))),
+    "mT-contraction-over-s": Case(_lm(lambda m, h, ids: (h, (h.mT @ h).pow(2).mean() * 1e-3))),
     # Split by the batch (no heads; batch 2 at P = 2), as hand-written attention is by heads.
     "einsum-attention": Case(_lm(lambda m, h, ids: torch.einsum("bst,btd->bsd", torch.einsum("bsd,btd->bst", h, h).softmax(-1), h))),
     "einsum-attention-batch-3": Case(_lm(lambda m, h, ids: torch.einsum("bst,btd->bsd", torch.einsum("bsd,btd->bst", h, h).softmax(-1), h)), batch=3),
@@ -667,7 +689,8 @@ DEFAULT = set(BROKEN) | {
     "scan-cummax", "scan-merged-bs", "combine-max-dim-values", "combine-hand-softmax-over-s",
     "combine-prod-zeros", "combine-logsumexp-12", "rand-dropout-module", "rand-dropout-merged-bs",
     "rand-dropout-replicated-buffer", "rand-bernoulli", "size-mean-by-shape", "size-view-star-shape",
-    "einsum-contract-s", "einsum-attention", "gather-token-logprob", "ids-negative", "flex-causal-gqa-kv1",
+    "einsum-contract-s", "einsum-attention", "attn-by-hand-mT", "attn-by-hand-setitem",
+    "mT-contraction-over-s", "gather-token-logprob", "ids-negative", "flex-causal-gqa-kv1",
     "flex-score-mod-h", "pw-clamp-tensor-bounds", "gather-setitem-features",
     "gather-write-through-seq-view", "gather-write-base-after-view", "gather-sdpa-mask-from-values",
     "sdpa-mask-from-param", "gather-output-local", "args-group-norm-seq-channels",

@@ -68,6 +68,16 @@ def test_each_rank_draws_its_chunk_of_a_full_length_mask(backend: str) -> None:
         torch.testing.assert_close(torch.cat([out0, out1], 1), ref, rtol=0, atol=0)
 
 
+class _TransposedDropped(_Dropped):
+    """Dropout on transposed views (found by a breaker review): one device draws in the view's
+    memory order, so the full-length draw must have that layout too."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = F.dropout(self.embed(ids).transpose(1, 2), 0.3, self.training).transpose(1, 2)
+        h = h + 1e-3 * torch.rand_like(h.transpose(1, 2)).transpose(1, 2)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
 def _attention_dropped() -> nn.Module:
     """nanoGPT with attention written by hand and dropout on the attention probabilities,
     which autosp computes split by heads (the mask: this rank's heads of the full draw)."""
@@ -84,7 +94,8 @@ def _training_worker(rank: int, world: int) -> dict[str, list[dict[str, Any]]]:
 
     mesh = autosp.init_mesh(world)
     out = {}
-    for name, build in (("residual", lambda: _Dropped(0.2)), ("attention-probs", _attention_dropped)):
+    for name, build in (("residual", lambda: _Dropped(0.2)), ("attention-probs", _attention_dropped),
+                        ("transposed", lambda: _TransposedDropped(0.0))):
         torch.manual_seed(0)
         model = build()
         compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="default")
@@ -115,7 +126,7 @@ def _train_two_steps(model: nn.Module, compiled: Any) -> list[dict[str, Any]]:
 def test_training_with_dropout_is_exact_with_aot_eager() -> None:
     for rank, per_model in enumerate(run_ranks(2, _training_worker)):
         assert per_model["attention-probs:gathered"] == [], per_model["attention-probs:gathered"]
-        for model, (step, r) in ((m, s) for m in ("residual", "attention-probs")
+        for model, (step, r) in ((m, s) for m in ("residual", "attention-probs", "transposed")
                                  for s in enumerate(per_model[m])):
             where = f"{model} rank {rank} step {step}"
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, (where, r["loss"], r["ref_loss"])

@@ -89,14 +89,18 @@ RuleResult PlanBuilder::decide_or_gather(const Node& n, const OpRule* rule, std:
   } catch (const PlanError& refused) {
     const PlanError original = refused;
     // Values split by heads (hand-written attention's scores) go back to the sequence layout
-    // for an op that cannot take them (heads.cpp), and the op is decided again.
+    // for an op that cannot take them (heads.cpp), and the op is decided again. The exchange
+    // makes a copy: not for the destination of an in-place write, nor where a later in-place
+    // write reaches the op's inputs or result through a view (it would miss the copy).
     std::vector<int> seq = ins;
     bool moved = false;
-    for (int& v : seq)
-      if (v >= 0 && split_by_heads(v)) {
-        v = to_sequence(v, n.loc);
-        moved = true;
-      }
+    const bool copy_safe = later_write_to_aliases(n) == nullptr;
+    for (size_t i = 0; i < seq.size() && copy_safe; ++i) {
+      if (seq[i] < 0 || !split_by_heads(seq[i]) || (i == 0 && writes_into_first_operand(n)))
+        continue;
+      seq[i] = to_sequence(seq[i], n.loc);
+      moved = true;
+    }
     if (moved) {
       try {
         RuleResult res = decide(n, rule, seq);

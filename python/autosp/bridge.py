@@ -228,6 +228,9 @@ class _Converter:
         core.attrs = attrs
         core.loc = source_loc(node)
         ex = _example(node)
+        if ex is None and attrs.get("inplace") and inputs and inputs[0][0] is not None:
+            # x[mask] = v (canon: an in-place masked_fill): returns None, writes x's shape
+            ex = _example(inputs[0][0])
         outs: list[int] = []
         items: list[list[fx.Node]] = []
         if node.op == "output":

@@ -160,7 +160,12 @@ def canonicalize(node: fx.Node) -> Canon:
     handler = CANONICAL.get(name)
     if handler is None:
         return name, _tensor_inputs(node), {}
-    return handler(node, name, x, _rank(x))
+    op, operands, attrs = handler(node, name, x, _rank(x))
+    if op == "nontensor" and isinstance(ex, torch.Tensor) and _tensor_inputs(node):
+        # A tensor computed from tensors is never "nontensor" (which has no placement): keep
+        # its own name, which the core refuses on sharded operands unless it has a rule.
+        return name, _tensor_inputs(node), {}
+    return op, operands, attrs
 
 
 @_canon("where")
@@ -178,8 +183,25 @@ def _c_nonzero(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     return "nonzero", _tensor_inputs(node, only=[0]), {"as_tuple": bool(node.kwargs.get("as_tuple", False))}
 
 
+# Tensor attributes Dynamo keeps as getattr(x, name): the transposes are permutes; .data and
+# a real tensor's .real are x itself. Any other tensor-valued attribute keeps its own name
+# ("getattr.imag"), which the core refuses on sharded operands.
+_TENSOR_ATTRS = {"mT": "swap_last", "mH": "swap_last", "T": "reverse", "H": "reverse",
+                 "data": "alias", "real": "alias"}
+
+
 @_canon("size", "sym_size", "sym_size.int", "dim", "numel", "stride", "getattr")
 def _c_size(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    if name == "getattr" and isinstance(_example(node), torch.Tensor) and _is_tensor_node(x):
+        attr = node.args[1] if len(node.args) > 1 else None
+        kind = _TENSOR_ATTRS.get(attr) if isinstance(attr, str) else None
+        if kind == "alias" and (attr == "data" or not _example(x).is_complex()):
+            return ("detach" if attr == "data" else "alias"), _tensor_inputs(node, only=[0]), {}
+        if kind in ("swap_last", "reverse") and xr >= 2:
+            perm = list(range(xr))
+            perm = perm[:-2] + perm[:-3:-1] if kind == "swap_last" else perm[::-1]
+            return "permute", _tensor_inputs(node, only=[0]), {"perm": perm}
+        return f"getattr.{attr}", _tensor_inputs(node, only=[0]), {}
     if name in ("size", "sym_size", "sym_size.int") and len(node.args) > 1:
         return "sym_size", _tensor_inputs(node, only=[0]), {"dim": _norm(_int(node.args[1]), xr)}
     if name in ("size", "numel") and _is_tensor_node(x):
@@ -187,6 +209,20 @@ def _c_size(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
         # so the plan must see them (a sharded x reports its local sizes).
         return "sym_size", _tensor_inputs(node, only=[0]), {"whole": name}
     return "nontensor", [], {}
+
+
+@_canon("setitem")
+def _c_setitem(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
+    # x[mask] = value with a boolean mask of x's own shape and a scalar value writes each
+    # element where the mask is set: masked_fill_, an elementwise write (the placement rules
+    # then split it like x; the call itself runs as written). Any other setitem keeps its name.
+    idx, val = (node.args[1], node.args[2]) if len(node.args) == 3 else (None, None)
+    ex, ei, ev = _example(x), _example(idx), _example(val)
+    if (isinstance(ex, torch.Tensor) and isinstance(ei, torch.Tensor) and ei.dtype == torch.bool
+            and [str(s) for s in ei.shape] == [str(s) for s in ex.shape]
+            and (isinstance(val, (bool, int, float)) or (isinstance(ev, torch.Tensor) and ev.dim() == 0))):
+        return "masked_fill", _tensor_inputs(node, only=[0, 1, 2]), {"inplace": True}
+    return name, _tensor_inputs(node), {}
 
 
 @_canon("getitem")

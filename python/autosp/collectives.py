@@ -194,6 +194,19 @@ def _global_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
     return shape
 
 
+def _full_in_layout(x: torch.Tensor, shape: list[int], fill: Any) -> torch.Tensor:
+    """A tensor of the global ``shape`` laid out in memory like ``x`` (its dims in x's stride
+    order). One device draws a random tensor like x (``empty_like``) in memory order, so a
+    draw for a transposed view (``F.dropout(att.transpose(1, 2))``) is only the single-device
+    draw when the full-length tensor has the view's layout too."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first (stable)
+    physical = fill([shape[d] for d in order], dtype=x.dtype, device=x.device)
+    inverse = [0] * x.dim()
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return physical.permute(inverse)
+
+
 def sharded_dropout(x: torch.Tensor, p: float, training: bool, dim: int, outer: int, inner: int,
                     rank: int, world: int) -> torch.Tensor:
     """``F.dropout(x, p, training)`` for this rank's chunk ``x`` of a sequence-sharded value,
@@ -203,7 +216,7 @@ def sharded_dropout(x: torch.Tensor, p: float, training: bool, dim: int, outer: 
     tensor."""
     if not training or p == 0.0:
         return x
-    ones = torch.ones(_global_shape(x, dim, world), dtype=x.dtype, device=x.device)
+    ones = _full_in_layout(x, _global_shape(x, dim, world), torch.ones)
     mask = torch.nn.functional.dropout(ones, p, True)
     return x * local_chunk(mask, dim, outer, inner, rank, world)
 
@@ -212,10 +225,8 @@ def sharded_random_like(x: torch.Tensor, kind: str, dim: int, outer: int, inner:
                         world: int, **kwargs: Any) -> torch.Tensor:
     """``torch.rand_like`` / ``torch.randn_like`` for a chunk: drawn at full length, chunk kept
     (see sharded_dropout)."""
-    draw = torch.rand if kind == "rand_like" else torch.randn
-    kwargs.setdefault("dtype", x.dtype)
-    kwargs.setdefault("device", x.device)
-    full = draw(_global_shape(x, dim, world), **kwargs)
+    like = torch.rand_like if kind == "rand_like" else torch.randn_like
+    full = like(_full_in_layout(x, _global_shape(x, dim, world), torch.empty), **kwargs)
     return local_chunk(full, dim, outer, inner, rank, world)
 
 
