@@ -336,15 +336,19 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of every parameter's ``.grad``, by parameter name.
 
     Raises if a parameter that requires grad has none (a compiler that drops a
-    gradient must fail loudly, not compare as zero).
+    gradient must fail loudly, not compare as zero). A sharded gradient (a DTensor, from
+    autosp.fully_shard) is gathered in full: every rank must call this alike.
     """
+    from torch.distributed.tensor import DTensor
+
     grads: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if param.grad is None:
             raise AssertionError(f"{name}: .grad is None after backward")
-        grads[name] = param.grad.detach().clone()
+        g = param.grad.detach()
+        grads[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
     return grads
 
 

@@ -100,10 +100,32 @@ Prepared prepare(const RematGraph& graph) {
   return p;
 }
 
+// ZeRO-3 (see solve_remat in remat.h). Overrides PyTorch's rule that collectives are saved
+// (must_save), which is meant for collectives on activations.
+RematGraph recompute_parameter_gathers(const RematGraph& graph) {
+  RematGraph out = graph;
+  const size_t n = graph.nodes.size();
+  std::vector<uint8_t> gathered(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const RematNode& node = graph.nodes[i];
+    bool is_gathered = node.parameter_collective;
+    if (!is_gathered && node.required_fw && !node.tangents_closure && !node.args.empty()) {
+      is_gathered = std::all_of(node.args.begin(), node.args.end(),
+                                [&](int32_t a) { return gathered[a] != 0; });
+    }
+    if (!is_gathered) continue;
+    gathered[i] = 1;
+    out.nodes[i].must_recompute = true;
+    out.nodes[i].must_save = false;
+  }
+  return out;
+}
+
 }  // namespace
 
-RematSolution solve_remat(const RematGraph& graph, const RematOptions& options) {
-  validate(graph, options);
+RematSolution solve_remat(const RematGraph& input, const RematOptions& options) {
+  validate(input, options);
+  const RematGraph graph = recompute_parameter_gathers(input);
   const Prepared p = prepare(graph);
   const auto n = static_cast<int32_t>(graph.nodes.size());
 

@@ -77,9 +77,12 @@ struct RematNode {
   bool static_lifetime = false;   // a parameter/buffer input: free to save
   bool must_save = false;         // tagged MUST_SAVE (collectives, effectful ops, ...)
   bool must_recompute = false;    // tagged MUST/PREFER_RECOMPUTE by the user
-  bool fusible = false;           // on PyTorch's fusible list (allowlist + random ops)
-  bool getitem = false;           // operator.getitem: never banned by op-type rules
-  std::vector<int32_t> users;     // indices of user nodes (deduplicated)
+  // A collective over the group parameters are sharded on (autosp.fully_shard): its value is a
+  // gathered parameter (see solve_remat).
+  bool parameter_collective = false;
+  bool fusible = false;        // on PyTorch's fusible list (allowlist + random ops)
+  bool getitem = false;        // operator.getitem: never banned by op-type rules
+  std::vector<int32_t> users;  // indices of user nodes (deduplicated)
   // fusible_user[i]: PyTorch's is_fusible(this, users[i]) (both fusible, or users[i] is cat).
   std::vector<uint8_t> fusible_user;
   std::vector<int32_t> args;  // indices of the top-level Node arguments (for the reduction ban)
@@ -147,6 +150,10 @@ struct RematSolution {
 };
 
 // Decides the saved set for `graph` under `options`.
+//
+// A gathered parameter (a parameter_collective node, and what is computed from gathered
+// parameters alone: the wait, a dtype cast, a view) is always recomputed for the backward, never
+// saved (ZeRO-3): saving it would keep every layer's full parameters alive until the backward.
 //
 // Throws std::invalid_argument ("[remat] ...") for a malformed graph (an index out of range, a
 // user before its producer, fusible_user not matching users) or options (both budgets, a

@@ -9,9 +9,11 @@
 """
 
 from autosp.api import backend, compile, init_mesh
+from autosp.shard import MixedPrecisionPolicy, fully_shard
 from autosp.errors import AutospError, AutospGatherWarning
 
-__all__ = ["AutospError", "AutospGatherWarning", "backend", "compile", "init_mesh", "plan"]
+__all__ = ["AutospError", "AutospGatherWarning", "MixedPrecisionPolicy", "backend", "compile", "fully_shard",
+           "init_mesh", "plan"]
 
 
 def __getattr__(name: str) -> object:

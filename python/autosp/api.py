@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autosp import guard
+from autosp import guard, shard
 from autosp.backend import BACKENDS, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 from autosp.remat import POLICIES as REMAT_POLICIES
@@ -391,6 +391,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
+    shard.check_not_fsdp2(model)
+    if shard.is_sharded(model):
+        shard.check_compile_mesh(model, mesh)
+        average_dp = False  # the gradients' reduce-scatter already averages over dp
     return SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None,
                                   sp_group=mesh.get_group("sp"), check_inputs=check_inputs,
                                   mesh_dp_group=dp_group)

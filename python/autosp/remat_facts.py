@@ -196,6 +196,36 @@ def _layer_of(node: fx.Node) -> str:
     return layer_of_path(dotted_path(str(list(stack.values())[-1][0])))
 
 
+_SHARD_PREP = ("convert_element_type", "_to_copy", "view", "clone", "contiguous", "constant_pad_nd")
+
+
+def is_parameter_collective(node: fx.Node) -> bool:
+    """The forward all-gather of a parameter sharded by autosp.fully_shard (or its wait): over a
+    group parameters are sharded on, of a graph input, possibly cast or padded first. (The
+    activations' collectives of SP may use the same group when dp is 1: they gather computed
+    values, never a graph input.)"""
+    from autosp.shard import parameter_groups
+
+    groups = parameter_groups()
+    if not groups or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target.namespace != "_c10d_functional":
+        return False
+    src = node.args[0] if node.args else None
+    if node.target.__name__.startswith("wait_tensor"):
+        return isinstance(src, fx.Node) and is_parameter_collective(src)
+    if not node.target.__name__.startswith("all_gather_into_tensor"):
+        return False
+    if not any(isinstance(a, str) and a in groups for a in node.args):
+        return False
+    while isinstance(src, fx.Node) and src.op == "call_function":
+        name = getattr(src.target, "__name__", "").split(".")[0]
+        if name not in _SHARD_PREP:
+            return False
+        src = src.args[0] if src.args else None
+    return isinstance(src, fx.Node) and src.op == "placeholder"
+
+
 def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
     """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
     graph, in graph order, with sizes and FLOPs at the trace's hint; the planner builds its
@@ -231,6 +261,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
         recompute = node.meta.get("recompute")
         f.must_save = recompute == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
         f.must_recompute = partitioners.must_recompute(node)
+        f.parameter_collective = is_parameter_collective(node)
         f.fusible = op_types.is_fusible(node)
         f.getitem = node.op == "call_function" and node.target is operator.getitem
         users = sorted((index[u] for u in node.users if u in index), key=int)

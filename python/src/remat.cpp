@@ -81,6 +81,7 @@ void init_remat(nb::module_& m) {
       .def_rw("static_lifetime", &RematNode::static_lifetime)
       .def_rw("must_save", &RematNode::must_save)
       .def_rw("must_recompute", &RematNode::must_recompute)
+      .def_rw("parameter_collective", &RematNode::parameter_collective)
       .def_rw("fusible", &RematNode::fusible)
       .def_rw("getitem", &RematNode::getitem)
       .def_rw("users", &RematNode::users)

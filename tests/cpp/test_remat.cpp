@@ -29,6 +29,7 @@ class GraphBuilder {
     bool tangent = false;  // depends on a tangent (backward nodes)
     bool primal = false;
     bool param = false;
+    bool parameter_collective = false;
     RematSaveCost save_cost = RematSaveCost::kTensor;
   };
 
@@ -46,6 +47,7 @@ class GraphBuilder {
     node.tangents_closure = s.tangent;
     node.primal_input = s.primal;
     node.static_lifetime = s.param;
+    node.parameter_collective = s.parameter_collective;
     node.fusible = fusible_kind(s.kind);
     node.args = s.inputs;
     const auto id = static_cast<int32_t>(graph.nodes.size());
@@ -255,6 +257,54 @@ TEST(Remat, CollectivesAndRandomOpsAreNeverRecomputed) {
   EXPECT_EQ(names(b.graph, s.saved), (std::vector<std::string>{"wait_tensor", "rand"}));
   EXPECT_EQ(names(b.graph, s.recomputed), (std::vector<std::string>{"mul"}));
   expect_valid_partition(b.graph, s);
+}
+
+// ZeRO-3: a parameter all-gathered from its shard (and its wait and view) is recomputed for the
+// backward under every policy, never saved; an activation's all-gather in the same graph is
+// still saved.
+TEST(Remat, GatheredParametersAreRecomputedActivationCollectivesSaved) {
+  using K = RematOpKind;
+  for (const RematPolicy policy :
+       {RematPolicy::kNone, RematPolicy::kDefault, RematPolicy::kSequenceAware}) {
+    GraphBuilder b;
+    const int32_t x = b.add({.name = "x", .kind = K::kInput, .bytes = 100, .primal = true});
+    const int32_t shard =
+        b.add({.name = "w_shard", .kind = K::kInput, .bytes = 400, .primal = true});
+    const int32_t gather = b.add({.name = "w_gather",
+                                  .kind = K::kCollective,
+                                  .bytes = 800,
+                                  .inputs = {shard},
+                                  .parameter_collective = true});
+    const int32_t wait = b.add({.name = "w_wait",
+                                .kind = K::kCollective,
+                                .bytes = 800,
+                                .inputs = {gather},
+                                .parameter_collective = true});
+    const int32_t w = b.add({.name = "w_view", .kind = K::kView, .bytes = 800, .inputs = {wait}});
+    const int32_t xg =
+        b.add({.name = "x_gather", .kind = K::kCollective, .bytes = 200, .inputs = {x}});
+    const int32_t xw =
+        b.add({.name = "x_wait", .kind = K::kCollective, .bytes = 200, .inputs = {xg}});
+    const int32_t mm =
+        b.add({.name = "mm", .kind = K::kMatmul, .bytes = 200, .flops = 1e6, .inputs = {xw, w}});
+    const int32_t t = b.add(
+        {.name = "tangents_1", .kind = K::kInput, .bytes = 200, .fw = false, .tangent = true});
+    b.add({.name = "mm_bwd",
+           .kind = K::kMatmul,
+           .bytes = 200,
+           .flops = 2e6,
+           .inputs = {t, xw, w, mm},
+           .fw = false,
+           .tangent = true});
+    const RematSolution s = solve_remat(b.graph, {.policy = policy});
+    EXPECT_EQ(s.fate[gather], RematFate::kRecomputed) << to_string(policy);
+    EXPECT_EQ(s.fate[wait], RematFate::kRecomputed) << to_string(policy);
+    EXPECT_EQ(s.fate[w], RematFate::kRecomputed) << to_string(policy);
+    EXPECT_EQ(s.fate[xw], RematFate::kSaved) << to_string(policy);
+    const std::vector<std::string> saved = names(b.graph, s.saved);
+    EXPECT_EQ(std::count(saved.begin(), saved.end(), "w_shard"), 1) << to_string(policy);
+    expect_valid_partition(b.graph, s);
+  }
 }
 
 TEST(Remat, NoFiniteCutNamesThePath) {
