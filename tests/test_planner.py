@@ -43,8 +43,13 @@ def _options(policy: str, traced: planner.TracedStep) -> Any:
 def _run_step(model: torch.nn.Module, compiled: Any, ids: torch.Tensor,
               labels: torch.Tensor) -> tuple[int, int]:
     """(saved activation bytes, peak bytes) of the second training step, measured."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # a sharded parameter's own shard
+        return t.to_local() if isinstance(t, DTensor) else t
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    param_storages = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -62,8 +67,8 @@ def _run_step(model: torch.nn.Module, compiled: Any, ids: torch.Tensor,
 
     step()  # compiles, creates the AdamW state
     saved.clear()
-    live_before = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    live_before += sum(t.untyped_storage().nbytes() for state in optimizer.state.values()
+    live_before = sum(local(p).untyped_storage().nbytes() for p in model.parameters())
+    live_before += sum(local(t).untyped_storage().nbytes() for state in optimizer.state.values()
                        for t in state.values() if isinstance(t, torch.Tensor))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
@@ -136,6 +141,39 @@ def test_ulysses_rank_saved_bytes_exact_and_peak_close(traced_p2: planner.Traced
     assert abs(predicted.peak - measured_peak) <= PEAK_TOLERANCE * measured_peak, (
         f"predicted {predicted.peak} vs measured {measured_peak}")
     assert predicted.communication >= 0 and predicted.parameters > 0
+
+
+def test_sharded_state_saved_bytes_exact_and_peak_close(traced_p2: planner.TracedStep) -> None:
+    """ZeRO-3 (autosp.fully_shard) on rank 0 of 2: parameters, gradients and AdamW state are
+    halves, each parameter is gathered where it is used (forward, then again in backward)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = autosp.init_mesh(2)
+        torch.manual_seed(0)
+        model = autosp.fully_shard(LlamaForCausalLM(TINY), mesh)
+        ids, labels = _batch()
+        compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware", backend="aot_eager")
+        measured_saved, measured_peak = _run_step(model, compiled, ids, labels)
+    finally:
+        dist.destroy_process_group()
+    options = planner._core_options("sequence-aware", "fp32", traced_p2.num_params, 1,
+                                    param_shards=2)
+    predicted = _core.simulate_peak_memory(traced_p2.graph, SEQ, options)
+    unsharded = _core.simulate_peak_memory(traced_p2.graph, SEQ,
+                                           _options("sequence-aware", traced_p2))
+    print(f"fsdp rank 0 of 2: predicted peak {predicted.peak}, measured {measured_peak} "
+          f"({predicted.peak / measured_peak - 1:+.1%}); unsharded prediction {unsharded.peak}")
+    assert predicted.saved_bytes == measured_saved == unsharded.saved_bytes
+    assert abs(predicted.peak - measured_peak) <= PEAK_TOLERANCE * measured_peak, (
+        f"predicted {predicted.peak} vs measured {measured_peak}")
+    assert predicted.optimizer_state * 2 == unsharded.optimizer_state
 
 
 def test_strategies_order_and_sp_shrinks_activations(

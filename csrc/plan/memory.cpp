@@ -69,15 +69,22 @@ std::string SeqBytes::str() const {
 
 double SeqFlops::at(int64_t seq) const { return coef * std::pow(static_cast<double>(seq), power); }
 
+namespace {
+int64_t optimizer_shards_of(const TrainingConfig& cfg) {
+  return std::max<int64_t>(cfg.param_shards > 1 ? cfg.param_shards : cfg.optimizer_shards, 1);
+}
+}  // namespace
+
 int64_t optimizer_state_bytes(const TrainingConfig& cfg) {
-  const int64_t per_param = cfg.dtype == DtypePolicy::kFp32 ? 8 : 16;
-  const int64_t shards = std::max<int64_t>(cfg.optimizer_shards, 1);
+  // ZeRO-3: the fp32 parameter and gradient shards are the master weights and accumulators.
+  const int64_t per_param = cfg.dtype == DtypePolicy::kFp32 || cfg.param_shards > 1 ? 8 : 16;
+  const int64_t shards = optimizer_shards_of(cfg);
   return (cfg.num_params * per_param + shards - 1) / shards;
 }
 
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {
   if (!cfg.optimizer_foreach) return 0;
-  const int64_t shards = std::max<int64_t>(cfg.optimizer_shards, 1);
+  const int64_t shards = optimizer_shards_of(cfg);
   return (cfg.num_params * 4 + shards - 1) / shards;
 }
 

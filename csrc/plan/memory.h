@@ -123,6 +123,14 @@ struct TrainingConfig {
   int64_t num_params = 0;  // parameters of the model (each rank holds them all)
   DtypePolicy dtype = DtypePolicy::kFp32;
   int64_t optimizer_shards = 1;  // ZeRO-1: optimizer state sharded over this many ranks
+  // ZeRO-3 (autosp.fully_shard): parameters, gradients and optimizer state sharded over this
+  // many ranks (then optimizer_shards is ignored). The graph's parameter placeholders stand
+  // for the gathered copies: each is all-gathered at its first use in the forward and freed
+  // after its last, gathered again in the backward likewise; the persistent shards are fp32
+  // (the master weights under kBf16Mixed), gradients leave the graph in its dtype and are
+  // kept as fp32 shards once the last gradient in their storage is produced; AdamW's moments
+  // are sharded too (8 B/param/shards: the master weights and gradients are the shards).
+  int64_t param_shards = 1;
   // torch.optim.AdamW(foreach=True) allocates one fp32 temporary per parameter of its shard
   // (exp_avg_sq.sqrt()) during step(); a fused kernel allocates none.
   bool optimizer_foreach = true;
@@ -166,6 +174,7 @@ struct MemoryBreakdown {
 // temporaries.
 //   fp32, 1000 params, 1 shard:  state 8000, workspace 4000 (foreach)
 //   bf16, 1000 params, 4 shards: state 4000, workspace 1000
+//   bf16, 1000 params, 4 param_shards (ZeRO-3): state 2000, workspace 1000
 int64_t optimizer_state_bytes(const TrainingConfig& cfg);
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
 

@@ -55,11 +55,23 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
     return fate[i] == RematFate::kSaved && nodes[i].role != MemoryRole::kParameter;
   };
 
+  // ZeRO-3 (TrainingConfig::param_shards): fp32 shards persist; the graph's parameters are
+  // gathered copies, allocated at their first use in each program and freed after the last.
+  const int64_t shards = std::max<int64_t>(options.training.param_shards, 1);
+  const bool zero3 = shards > 1;
+  const int64_t master_scale = options.training.dtype == DtypePolicy::kBf16Mixed ? 2 : 1;
+  auto shard_of = [&](int64_t bytes) { return (bytes * master_scale + shards - 1) / shards; };
+  auto gathered = [&](int32_t s) {
+    return zero3 && s < n && nodes[s].role == MemoryRole::kParameter;
+  };
+
   MemoryBreakdown out;
   out.seq_len = seq;
   std::array<int64_t, kNumCategories> persistent{};
   for (int32_t i = 0; i < n; ++i) {
-    if (nodes[i].role == MemoryRole::kParameter) persistent[kParamsCat] += alloc[i];
+    if (nodes[i].role == MemoryRole::kParameter) {
+      persistent[kParamsCat] += zero3 ? shard_of(alloc[i]) : alloc[i];
+    }
     if (nodes[i].role == MemoryRole::kInput) persistent[kInputsCat] += alloc[i];
   }
   persistent[kOptimCat] = optimizer_state_bytes(options.training);
@@ -76,6 +88,9 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
     if (nodes[r].collective) category[r] = category[n + r] = kCommCat;
   }
   for (int32_t r = 0; r < n; ++r) {
+    // A saved view of a gathered parameter is gathered again in the backward, not held.
+    if (gathered(r)) is_saved_storage[r] = 0;
+    if (gathered(r)) category[r] = category[n + r] = kCommCat;
     if (is_saved_storage[r]) {
       held[r] = 1;
       category[r] = kSavedCat;
@@ -121,18 +136,30 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
   // node to the instance holding its output, `owns(i)` says whether running i allocates it.
   auto run = [&](const std::vector<int32_t>& order, auto&& storage, auto&& owns,
                  const char* phase) {
-    std::vector<int32_t> last_use(2 * n, -1);
+    std::vector<int32_t> first_use(2 * n, -1), last_use(2 * n, -1);
     for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
       const int32_t i = order[p];
       last_use[storage(i)] = std::max(last_use[storage(i)], p);
-      for (int32_t w : inputs[i]) last_use[storage(w)] = std::max(last_use[storage(w)], p);
+      for (int32_t w : inputs[i]) {
+        last_use[storage(w)] = std::max(last_use[storage(w)], p);
+        if (first_use[storage(w)] < 0) first_use[storage(w)] = p;
+      }
     }
-    std::vector<std::vector<int32_t>> frees(order.size());
+    std::vector<std::vector<int32_t>> frees(order.size()), gathers(order.size()),
+        reduced(order.size());
     for (int32_t s = 0; s < 2 * n; ++s) {
       if (last_use[s] >= 0 && !held[s]) frees[last_use[s]].push_back(s);
+      if (gathered(s) && first_use[s] >= 0) gathers[first_use[s]].push_back(s);
+      if (zero3 && held[s] && category[s] == kGradsCat && last_use[s] >= 0) {
+        reduced[last_use[s]].push_back(s);
+      }
     }
     for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
       const int32_t i = order[p];
+      for (int32_t s : gathers[p]) {  // the all-gather of a parameter before its first use
+        instance_bytes[s] += alloc[s];
+        live[category[s]] += alloc[s];
+      }
       if (owns(i)) {
         const int32_t s = storage(i);
         instance_bytes[s] += alloc[i];
@@ -142,6 +169,11 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
       extra[kTransientCat] = scratch[i];
       record(extra, phase, nodes[i].facts.name);
       for (int32_t s : frees[p]) free_instance(s);
+      for (int32_t s : reduced[p]) {  // reduce-scattered: this rank keeps its fp32 shard
+        const int64_t kept = shard_of(instance_bytes[s]);
+        live[kGradsCat] += kept - instance_bytes[s];
+        instance_bytes[s] = kept;
+      }
     }
   };
 
@@ -164,10 +196,18 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
       [&](int32_t i) { return nodes[i].alias_of < 0; }, "forward");
 
   // Backward: each backward op preceded by the recomputations it needs, in graph order
-  // (PyTorch's reordering_to_mimic_autograd_engine).
+  // (PyTorch's reordering_to_mimic_autograd_engine): the walk starts at the first user of a
+  // tangent; what comes before it (recomputations, views of parameters) runs only when an op
+  // from there on needs it.
   std::vector<uint8_t> emitted(n, 0);
   std::vector<int32_t> bw_order;
+  int32_t first_bw = n;
   for (int32_t i = 0; i < n; ++i) {
+    if (nodes[i].role != MemoryRole::kTangent) continue;
+    for (int32_t u : nodes[i].facts.users) first_bw = std::min(first_bw, u);
+  }
+  if (first_bw == n) first_bw = 0;  // no tangent is read: every backward op is a start
+  for (int32_t i = first_bw; i < n; ++i) {
     if (nodes[i].role != MemoryRole::kCompute || in_forward[i] || emitted[i]) continue;
     std::vector<int32_t> pending, stack{i};
     while (!stack.empty()) {

@@ -127,6 +127,7 @@ class PlanResult:
     num_params: int
     trace_seconds: float
     plot: str | None = None
+    fsdp: bool = False
 
     def strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -139,7 +140,9 @@ class PlanResult:
         lines = [
             f"autosp plan (prediction): {self.model}, {self.num_params / 1e9:.2f}B parameters, "
             f"{self.gpus} GPUs x {self.gpu_memory / gib:.0f} GiB, dtype {self.dtype}, "
-            f"batch {self.batch_size}, optimizer state sharded over {self.optimizer_sharding}",
+            f"batch {self.batch_size}, " + (
+                "parameters, gradients and optimizer state sharded over all GPUs (fsdp)"
+                if self.fsdp else f"optimizer state sharded over {self.optimizer_sharding}"),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
             "state, saved activations, transient, communication",
             f"{'strategy':<28} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
@@ -173,7 +176,8 @@ class PlanResult:
         return d
 
 
-def _core_options(remat: str, dtype: str, num_params: int, shards: int) -> Any:
+def _core_options(remat: str, dtype: str, num_params: int, shards: int,
+                  param_shards: int = 1) -> Any:
     options = _core.MemoryOptions()
     options.strategy = getattr(_core.RematStrategy, _STRATEGY_ENUM[remat])
     from autosp.remat import DEFAULT_RECOMPUTE_FLOPS_RATIO
@@ -183,6 +187,7 @@ def _core_options(remat: str, dtype: str, num_params: int, shards: int) -> Any:
     training.num_params = num_params
     training.dtype = _core.DtypePolicy.BF16_MIXED if dtype == "bf16" else _core.DtypePolicy.FP32
     training.optimizer_shards = shards
+    training.param_shards = param_shards
     options.training = training
     return options
 
@@ -215,6 +220,7 @@ def plan(
     dtype: str = "bf16",
     batch_size: int = 1,
     optimizer_sharding: str = "dp",
+    fsdp: bool = False,
     seq_len: int | None = None,
     seq_multiple: int = 1024,
     max_seq: int = 1 << 22,
@@ -228,7 +234,9 @@ def plan(
     LlamaConfig. The mesh is ``gpus = dp x sp``; strategy ``no-sp`` uses all GPUs for data
     parallelism. ``dtype``: ``"bf16"`` (bf16 weights and gradients, fp32 master weights and
     AdamW state) or ``"fp32"``. ``optimizer_sharding``: ZeRO-1 over ``"dp"``, ``"world"`` (all
-    GPUs) or ``"none"``. ``seq_len``: where to report the peak and breakdown (default: the
+    GPUs) or ``"none"``. ``fsdp``: parameters, gradients and optimizer state sharded over all
+    GPUs (``autosp.fully_shard``, ZeRO-3; ``optimizer_sharding`` is then moot): each layer's
+    parameters are gathered where they are used. ``seq_len``: where to report the peak and breakdown (default: the
     longest S of ``ulysses + sequence-aware``). With ``plot``, writes a PNG of predicted peak
     against S per strategy with the budget line.
     """
@@ -267,7 +275,8 @@ def plan(
             p, trace_step(config, sp_size=p, dtype=dtype, batch_size=batch_size))
         num_params = traced.num_params
         shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
-        options = _core_options(remat, dtype, traced.num_params, shards)
+        options = _core_options(remat, dtype, traced.num_params, shards,
+                                param_shards=gpus if fsdp else 1)
         query = _core.TrainabilityQuery()
         query.budget_bytes = budget
         query.seq_multiple = multiple
@@ -304,7 +313,7 @@ def plan(
         model=name, config=config, gpus=gpus, sp=sp, gpu_memory=budget, dtype=dtype,
         batch_size=batch_size, optimizer_sharding=optimizer_sharding, seq_multiple=multiple,
         seq_len=seq_len, strategies=tuple(plans), num_params=num_params,
-        trace_seconds=sum(t.seconds for t in traces.values()), plot=None,
+        trace_seconds=sum(t.seconds for t in traces.values()), plot=None, fsdp=fsdp,
     )
     if plot is not None:
         write_plot(result, plot)
@@ -369,6 +378,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per SP group per step")
     p.add_argument("--optimizer-sharding", choices=OPTIMIZER_SHARDING, default="dp",
                    help="ZeRO-1: shard optimizer state over dp, all GPUs, or not at all")
+    p.add_argument("--fsdp", action="store_true",
+                   help="ZeRO-3 (autosp.fully_shard): parameters, gradients and optimizer state "
+                        "sharded over all GPUs")
     p.add_argument("--seq-len", type=int, default=None,
                    help="report peak and breakdown at this S (default: longest S of "
                         "ulysses + sequence-aware)")
@@ -396,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = plan(
             args.model, gpus=args.gpus, gpu_memory=args.gpu_memory, sp=args.sp,
             dtype=args.dtype, batch_size=args.batch_size,
-            optimizer_sharding=args.optimizer_sharding, seq_len=args.seq_len,
+            optimizer_sharding=args.optimizer_sharding, fsdp=args.fsdp, seq_len=args.seq_len,
             seq_multiple=args.seq_multiple, max_seq=args.max_seq, strategies=strategies,
             plot=plot_path,
         )

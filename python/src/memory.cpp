@@ -96,6 +96,7 @@ void init_memory(nb::module_& m) {
       .def_rw("num_params", &TrainingConfig::num_params)
       .def_rw("dtype", &TrainingConfig::dtype)
       .def_rw("optimizer_shards", &TrainingConfig::optimizer_shards)
+      .def_rw("param_shards", &TrainingConfig::param_shards)
       .def_rw("optimizer_foreach", &TrainingConfig::optimizer_foreach);
 
   nb::class_<MemoryOptions>(m, "MemoryOptions")

@@ -77,6 +77,13 @@ TEST(MemoryOptimizer, StateAndWorkspacePerDtypeAndSharding) {
   EXPECT_EQ(optimizer_state_bytes(bf16), 4000);
   EXPECT_EQ(optimizer_workspace_bytes(bf16), 1000);
   EXPECT_EQ(optimizer_workspace_bytes({.num_params = 1000, .optimizer_foreach = false}), 0);
+  // ZeRO-3: the fp32 parameter and gradient shards are the master weights; moments sharded.
+  const TrainingConfig zero3{.num_params = 1000,
+                             .dtype = DtypePolicy::kBf16Mixed,
+                             .optimizer_shards = 2,
+                             .param_shards = 4};
+  EXPECT_EQ(optimizer_state_bytes(zero3), 2000);
+  EXPECT_EQ(optimizer_workspace_bytes(zero3), 1000);
 }
 
 // Worked by hand at S = 10 (policy none saves b): persistent params 100 + optimizer 200 +
@@ -113,6 +120,64 @@ TEST(MemorySimulator, OptimizerPhaseWhenActivationsAreSmall) {
   EXPECT_EQ(b.peak, 8000 + 4000 + 100 + 100 + 4 + 8);
   EXPECT_EQ(b.gradients, 100);
   EXPECT_EQ(b.optimizer_state, 12000);
+}
+
+// x -> a = mm(x, p) -> b = relu(a) -> loss; backward gb = relu_bw(t, b) and, if `p_grad`, p's
+// gradient gp = mm(x, gb). p is 1000 bytes (250 fp32 parameters).
+MemoryGraph big_parameter_layer(bool p_grad) {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  const int p =
+      g.add(S{.name = "p", .role = MemoryRole::kParameter, .bytes = SeqBytes::constant(1000)});
+  const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(8, 1)});
+  const int a = g.add(S{
+      .name = "a", .kind = RematOpKind::kMatmul, .bytes = SeqBytes::term(16, 1), .inputs = {x, p}});
+  const int b = g.add(S{.name = "b", .bytes = SeqBytes::term(16, 1), .inputs = {a}});
+  g.add(S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {b}, .forward_output = true});
+  const int t = g.add(S{.name = "t",
+                        .role = MemoryRole::kTangent,
+                        .bytes = SeqBytes::constant(4),
+                        .fw = false,
+                        .tangent = true});
+  const int gb = g.add(S{
+      .name = "gb",
+      .bytes = SeqBytes::term(16, 1),
+      .inputs = {t, b},
+      .fw = false,
+      .tangent = true,
+  });
+  if (p_grad) {
+    g.add(S{.name = "gp",
+            .kind = RematOpKind::kMatmul,
+            .bytes = SeqBytes::constant(1000),
+            .inputs = {x, gb},
+            .fw = false,
+            .tangent = true,
+            .gradient = true});
+  }
+  return g.graph;
+}
+
+// ZeRO-3 over 4 ranks, S = 10, policy none: persistent shard 250 and AdamW moments
+// 8 * 250 / 4 = 500, input x 80. Forward, at a: + gathered p 1000 + a 160 = 1990 (p is freed
+// after its last use, a). Backward, at gp: p's full gradient 1000, gb 160, loss 4 -> 1994, the
+// peak; then only its shard (250) is kept.
+TEST(MemorySimulator, ShardedParametersAreGatheredWhereUsed) {
+  MemoryOptions o = fp32_options(RematStrategy::kNone, 250);
+  o.training.param_shards = 4;
+  const MemoryBreakdown b = simulate_peak_memory(big_parameter_layer(true), 10, o);
+  EXPECT_EQ(b.peak, 1994);
+  EXPECT_EQ(b.phase, "backward");
+  EXPECT_EQ(b.peak_node, "gp");
+  EXPECT_EQ(b.parameters, 250);
+  EXPECT_EQ(b.gradients, 1000);
+  EXPECT_EQ(b.optimizer_state, 500);
+  // Without p's gradient the forward's gather is the peak: at a, 250 + 500 + x 80 + 1000 + 160.
+  const MemoryBreakdown f = simulate_peak_memory(big_parameter_layer(false), 10, o);
+  EXPECT_EQ(f.phase, "forward");
+  EXPECT_EQ(f.peak_node, "a");
+  EXPECT_EQ(f.peak, 1990);
+  EXPECT_EQ(f.communication, 1000);
 }
 
 TEST(MemorySimulator, ViewsShareTheirBaseStorage) {
