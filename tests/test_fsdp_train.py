@@ -7,7 +7,8 @@ checkpoints across dp x sp layouts, and Hugging Face models.
   run is as far from the autocast one), master weights and gradients stay fp32. Pure bf16
   (``model.to(bfloat16)``, no policy): the same bound over 5 steps, weights and gradients bf16.
 - DCP (world 4): train 2 steps at dp2 x sp2, save model and optimizer with
-  ``torch.distributed.checkpoint``; load into a fresh run at dp2 x sp2 and at dp1 x sp4. After
+  ``torch.distributed.checkpoint``; load into a fresh run at dp1 x sp4 (and, with -m slow,
+  at dp2 x sp2). After
   loading, the loss of a fixed batch equals the saved run's, and after one more AdamW step
   (the same global batch) every parameter equals the saved run's next step (1e-5 relative).
 - HF Llama and Qwen2 (world 2): loss and every gradient exact against one device.
@@ -75,8 +76,8 @@ def _bf16_worker(rank: int, world: int, mode: str, steps: int) -> dict[str, Any]
             "grad_dtype": p.grad.dtype}
 
 
-@pytest.mark.parametrize("mode,steps,dtype", [("mixed", 20, torch.float32),
-                                              ("pure", 5, torch.bfloat16)])
+@pytest.mark.parametrize("mode,steps,dtype", [
+    ("mixed", 20, torch.float32), pytest.param("pure", 5, torch.bfloat16, marks=pytest.mark.slow)])
 def test_bf16_training_stays_close_to_one_device_autocast(mode: str, steps: int,
                                                           dtype: torch.dtype) -> None:
     for r in run_ranks(2, _bf16_worker, mode, steps):
@@ -113,7 +114,7 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
-def _dcp_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+def _dcp_worker(rank: int, world: int, path: str, layouts: tuple[int, ...]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -130,7 +131,7 @@ def _dcp_worker(rank: int, world: int, path: str) -> dict[str, Any]:
     expected = _full_params(model)
 
     out: dict[str, Any] = {"saved_probe": saved_probe}
-    for sp in (2, 4):
+    for sp in layouts:
         mesh, model, compiled, opt = _layout_run(world, sp, seed=1)  # other weights: load must win
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
@@ -146,9 +147,11 @@ def _dcp_worker(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
-def test_dcp_checkpoint_resumes_in_the_same_and_another_layout(tmp_path: Any) -> None:
-    for r in run_ranks(4, _dcp_worker, str(tmp_path / "ckpt")):
-        for layout in ("sp2", "sp4"):
+@pytest.mark.parametrize("layouts", [(4,), pytest.param((2,), marks=pytest.mark.slow)],
+                         ids=["into-dp1xsp4", "into-dp2xsp2"])
+def test_dcp_checkpoint_resumes_in_another_layout(tmp_path: Any, layouts: tuple[int, ...]) -> None:
+    for r in run_ranks(4, _dcp_worker, str(tmp_path / "ckpt"), layouts):
+        for layout in (f"sp{sp}" for sp in layouts):
             got = r[layout]
             assert abs(got["probe"] - r["saved_probe"]) <= 1e-6 * abs(r["saved_probe"]), (layout, got)
             assert got["worst"] <= 1e-5, (layout, got)
@@ -178,7 +181,7 @@ def _hf_worker(rank: int, world: int, arch: str) -> dict[str, Any]:
             "ref_grads": grads_of(ref)}
 
 
-@pytest.mark.parametrize("arch", ["Llama", "Qwen2"])
+@pytest.mark.parametrize("arch", ["Llama", pytest.param("Qwen2", marks=pytest.mark.slow)])
 def test_hf_models_sharded_are_exact(arch: str) -> None:
     pytest.importorskip("transformers")
     for r in run_ranks(2, _hf_worker, arch):
