@@ -654,7 +654,7 @@ GATHERED = {
     "rand-bernoulli", "rand-rrelu", "rand-alpha-dropout", "scan-reverse-flip", "gather-along-s",
     "index-select-s", "scatter-add-s", "einsum-ellipsis",
     "einsum-attention-batch-3", "gather-sdpa-mask-from-values", "gather-output-local", "args-group-norm-seq-channels",
-    "args-norm-positional-p", "args-layer-norm-size-shape",
+    "args-norm-positional-p", "args-layer-norm-size-shape", "flex-score-mod-h", "flex-mask-mod-h",
 }
 
 # Cases where one device refuses the batch too: every rank must fail alike, with this text.

@@ -72,8 +72,8 @@ GATHERS: dict[str, str] = {
 # One architecture per family of patterns the zoo exercises, for the default suite.
 SUBSET_W2 = [
     "llama",        # RoPE, GQA, RMSNorm (reference)
-    # gpt2 (Conv1D, learned positions) runs in test_hf_models; bert (token types, absolute
-    # positions, biases) with -m slow (test_zoo_world2) and as a style (bert-masked-mean-ce).
+    "gpt2",         # Conv1D, learned positions
+    "bert",         # encoder-style decoder: token types, absolute positions, biases
     "mixtral",      # MoE top-k routing (batched_mm experts)
     "deepseek_v3",  # multi-head latent attention: new_empty + copy_ into slices
     "gemma3_text",  # sliding window + global layers

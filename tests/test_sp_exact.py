@@ -51,6 +51,9 @@ class Variant:
 MHA = Variant("mha", num_heads=4, num_kv_heads=4)
 GQA_KV2 = Variant("gqa-kv2", num_heads=4, num_kv_heads=2)
 GQA_KV1 = Variant("gqa-kv1", num_heads=4, num_kv_heads=1)
+# Fewer query heads than ranks: attention runs on the all-gathered sequence (the gather
+# fallback, with an AutospGatherWarning), everything else stays split.
+HEADS2_KV1 = Variant("heads2-kv1-gathered", num_heads=2, num_kv_heads=1, num_layers=1)
 
 
 def _check_results(results: list[list[dict[str, Any]]], world_size: int) -> None:
@@ -174,10 +177,11 @@ def test_sp_exact_world2_aot_eager() -> None:
 
 def test_sp_exact_world4_aot_eager() -> None:
     """P=4: GQA with kv < P, 2 KV heads and 1 KV head (MHA runs at P=2 and with
-    Inductor); sequence-aware remat."""
+    Inductor), and 2 query heads (attention on the gathered sequence); sequence-aware remat."""
     world_size = 4
     results = run_ranks(
-        world_size, _sp_exact_worker, [GQA_KV2, GQA_KV1], 32, "aot_eager", "sequence-aware"
+        world_size, _sp_exact_worker, [GQA_KV2, GQA_KV1, HEADS2_KV1], 32, "aot_eager",
+        "sequence-aware"
     )
     _check_results(results, world_size)
 
@@ -207,7 +211,8 @@ def _compile_error_worker(
         model = build_model(cfg, MODEL_SEED)
         input_ids, labels = make_batch(cfg.vocab_size, BATCH_SIZE, seq_len, BATCH_SEEDS[0])
         try:
-            compiled = autosp.compile(model, mesh=mesh, seq_dim=1, backend="aot_eager")
+            compiled = autosp.compile(model, mesh=mesh, seq_dim=1, backend="aot_eager",
+                                      unsupported="error")
             compiled(input_ids, labels).backward()
         except Exception as exc:  # noqa: BLE001 - the parent checks the type
             out[name] = exc

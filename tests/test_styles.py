@@ -66,8 +66,6 @@ SLOW_W2 = {
     "conv1d-same-dilated",         # causal-conv1d-mixer
     "shift-inside-multi-token",    # shift-inside (and -m slow's Inductor run of it)
     "sinusoidal-transposed-ce-smoothing",  # positions and CE forms of the generator's models
-    "einsum-projections",          # einsum breakers (test_breakers), nanogpt-attention-by-hand
-    "split-sizes-gqa-kv1",         # qkv-chunk3-post-norm-tied; GQA forms in test_ops
 }
 assert SLOW_W2 <= set(styles.ALL), SLOW_W2 - set(styles.ALL)
 

@@ -162,6 +162,9 @@ class PlanBuilder {
   // all-gathered (replacing them in `ins`), the op is decided again on full-length values,
   // and the error is recorded in gathered_ops_ (decide.cpp).
   RuleResult decide_or_gather(const Node& n, const OpRule* rule, std::vector<int>& ins);
+  // Why attention `n` (inputs `ins`, the query first) cannot be split by heads, if it cannot
+  // (ulysses_ops.cpp): then it runs on the all-gathered sequence, or is refused.
+  std::optional<PlanError> heads_refusal(const Node& n, const std::vector<int>& ins) const;
 
   // Whether every non-replicated input of `n` can be gathered whole: sharded along an even
   // split of the sequence (S or k*S, no positions dropped) and not the destination of an

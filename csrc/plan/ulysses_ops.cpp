@@ -187,6 +187,41 @@ void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& a
   vmap_[static_cast<size_t>(n.outputs[0])] = q;
 }
 
+std::optional<PlanError> PlanBuilder::heads_refusal(const Node& n,
+                                                    const std::vector<int>& ins) const {
+  const int64_t P = cfg_.sp_size;
+  const Dim& hq = val(ins[0]).shape.at(1);
+  if (!hq.is_static() || hq.coef % P != 0)
+    return PlanError(
+        kPass, n, hq.str() + " query heads for an SP degree of " + std::to_string(P),
+        "a number of query heads divisible by the SP degree (" + hq.str() + " % " +
+            std::to_string(P) + (hq.is_static() ? " = " + std::to_string(hq.coef % P) : "") + ")",
+        "Ulysses splits attention heads across the SP group; choose an SP degree that divides "
+        "the number of heads (unsupported='gather', the default, runs this attention on the "
+        "all-gathered sequence instead).");
+  const int64_t Hq = hq.coef;
+  for (int i = 1; i < 3; ++i) {
+    const Dim& h = val(ins[i]).shape.at(1);
+    if (!h.is_static() || h.coef == Hq || Hq % h.coef != 0 || h.coef % P == 0) continue;
+    const int64_t H = h.coef;
+    const int64_t f = P / std::gcd(H, P);
+    if (Hq % (H * f) != 0)
+      return PlanError(kPass, n,
+                       std::to_string(H) + " key/value heads, " + std::to_string(Hq) +
+                           " query heads, SP degree " + std::to_string(P),
+                       "key/value heads that can be repeated to a multiple of the SP degree "
+                       "dividing the query heads");
+  }
+  if (n.op == "flex_attention" && n.bool_attr("reads_head_index", false))
+    return PlanError(kPass, n, "a score_mod or mask_mod that reads the head index h",
+                     "mods that do not depend on h",
+                     "Ulysses gives each rank H/P heads, and flex_attention passes the rank's "
+                     "local head index to the mods; pass per-head values through q/k/v "
+                     "instead (unsupported='gather', the default, runs this attention on the "
+                     "all-gathered sequence).");
+  return std::nullopt;
+}
+
 void PlanBuilder::emit_sdpa(const Node& n) {
   std::vector<int> ins = mapped_inputs(n);
   for (int& v : ins) {
@@ -228,6 +263,16 @@ void PlanBuilder::emit_sdpa(const Node& n) {
                           " " + shape_str(val(ins[i]).shape) + " placed " + p.str(),
                       "the sequence in dim 2 (S(2)) or a replicated tensor");
   }
+  // What Ulysses cannot split by heads (query heads not divisible by P, key/value heads that no
+  // repetition fits, a flex mod reading the head index) runs on the all-gathered sequence:
+  // exact, like any op without a sequence-parallel form (decide.cpp), or refused with
+  // unsupported="error".
+  if (std::optional<PlanError> refused = heads_refusal(n, ins)) {
+    std::vector<int> full = gathered_inputs(n, ins, *refused);  // throws it when not allowed
+    copy_node(n, full, std::vector<Placement>(n.outputs.size(), Placement::replicate()), {});
+    gathered_ops_.push_back(refused->what());
+    return;
+  }
   // A full-length query with sharded key/value (a query computed on the gathered sequence):
   // this rank's chunk of it, like any replicated operand meeting sharded ones.
   if (!placement(ins[0]).is_shard()) {
@@ -237,15 +282,7 @@ void PlanBuilder::emit_sdpa(const Node& n) {
                       "a query sharded along the sequence, or a full-length one");
     ins[0] = slice(ins[0], 2, 1, n.loc);
   }
-  const Dim& hq = q.shape[1];
-  if (!hq.is_static() || hq.coef % P != 0)
-    throw PlanError(
-        kPass, n, std::to_string(hq.coef) + " query heads for an SP degree of " + std::to_string(P),
-        "a number of query heads divisible by the SP degree (" + std::to_string(hq.coef) + " % " +
-            std::to_string(P) + " = " + std::to_string(hq.coef % P) + ")",
-        "Ulysses splits attention heads across the SP group; choose an SP degree that "
-        "divides the number of heads.");
-  const int64_t Hq = hq.coef;
+  const int64_t Hq = q.shape[1].coef;  // static and divisible by P (heads_refusal)
   std::vector<int> args = ins;
   std::vector<int> exchange;  // positions in args that go through the all-to-all
   for (int i = 0; i < 3; ++i) {
@@ -264,15 +301,8 @@ void PlanBuilder::emit_sdpa(const Node& n) {
             "equal heads, or enable_gqa=True with query heads a multiple of key/value heads");
       if (H % P != 0) {
         // Fewer KV heads than ranks: repeat each KV head so that every rank receives the
-        // KV head its query heads attend to.
+        // KV head its query heads attend to (heads_refusal checked that this fits).
         const int64_t f = P / std::gcd(H, static_cast<int64_t>(P));
-        if (Hq % (H * f) != 0)
-          throw PlanError(
-              kPass, n,
-              std::to_string(H) + " key/value heads, " + std::to_string(Hq) +
-                  " query heads, SP degree " + std::to_string(P),
-              "key/value heads that can be repeated to a multiple of the SP degree dividing the "
-              "query heads");
         Value rv = val(v);
         rv.shape[1] = Dim::constant(H * f);
         v = emit("sp.repeat_heads", {v}, {{"dim", int64_t{1}}, {"repeats", f}},
@@ -289,11 +319,6 @@ void PlanBuilder::emit_sdpa(const Node& n) {
   // apply to the whole sequence, which every rank sees after the exchange: they stay
   // replicated, and a per-head mask keeps this rank's heads.
   const bool flex = n.op == "flex_attention";
-  if (flex && n.bool_attr("reads_head_index", false))
-    throw PlanError(kPass, n, "a score_mod or mask_mod that reads the head index h",
-                    "mods that do not depend on h",
-                    "Ulysses gives each rank H/P heads, and flex_attention passes the rank's "
-                    "local head index to the mods; pass per-head values through q/k/v instead.");
   const size_t per_head_end =
       flex ? 3 + static_cast<size_t>(n.int_attr("block_mask_inputs", 0)) : args.size();
   // An [S, S] SDPA mask computed from O(S) operands is not materialised: the tiled attention

@@ -203,6 +203,14 @@ TEST(UlyssesLlama, QueryHeadsNotDivisibleBySpDegree) {
   EXPECT_TRUE(contains(msg, "choose an SP degree that divides the number of heads"));
   // The same model plans at a degree that divides the heads.
   EXPECT_NO_THROW(plan_ulysses(g, {.sp_size = 3}));
+  // With the gather fallback, attention runs on the all-gathered sequence: q, k and v are
+  // all-gathered, nothing goes through an all-to-all, and the refusal is listed.
+  const SpPlan gathered = plan_ulysses(g, {.sp_size = 4, .gather_unsupported = true});
+  EXPECT_TRUE(nodes_with_op(gathered, "sp.all_to_all").empty());
+  EXPECT_EQ(nodes_with_op(gathered, "sp.all_gather").size(), 3u);  // q, k and v
+  ASSERT_EQ(gathered.gathered.size(), 1u);
+  EXPECT_TRUE(contains(gathered.gathered[0], "found 6 query heads for an SP degree of 4"));
+  EXPECT_TRUE(contains(gathered.gathered[0], "unsupported='gather'"));
 }
 
 TEST(UlyssesLlama, KvHeadsWithoutEnableGqa) {
