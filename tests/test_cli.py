@@ -26,13 +26,14 @@ def _autosp_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "autosp.cli"]
 
 
-def test_train_two_ranks_runs_and_checks() -> None:
+@pytest.mark.parametrize("extra", [[], ["--fsdp"]], ids=["replicated", "fsdp"])
+def test_train_two_ranks_runs_and_checks(extra: list[str]) -> None:
     cmd = [
         *_autosp_command(), "train",
         "--nproc", "2", "--sp", "2", "--steps", "3", "--backend", "aot_eager",
         "--seq-len", "32", "--batch-size", "2", "--vocab-size", "128",
         "--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-        "--check",
+        "--check", *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -43,6 +44,7 @@ def test_train_two_ranks_runs_and_checks() -> None:
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"loss did not decrease over 3 AdamW steps: {losses}"
     assert re.search(r"^check: first-step loss .*: OK$", proc.stdout, re.M), output
+    assert ("sharded over all ranks" in proc.stdout) == bool(extra), output
 
 
 def test_relaunch_arguments_reach_the_ranks_intact() -> None:

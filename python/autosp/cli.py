@@ -98,6 +98,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="compiler backend for the SP graph")
     run.add_argument("--remat", choices=["sequence-aware", "default", "none"],
                      default="sequence-aware", help="activation rematerialisation policy")
+    run.add_argument("--fsdp", action="store_true",
+                     help="shard parameters, gradients and AdamW state over all ranks "
+                          "(autosp.fully_shard, ZeRO-3)")
     run.add_argument("--check", action="store_true",
                      help="at the end, compare the first step's loss with the plain model "
                           "on one device (exit 1 on mismatch)")
@@ -274,17 +277,19 @@ def _train_loop(
     mesh = autosp.init_mesh(sp_size, dp_size=dp_size)
     dp_rank = mesh.get_local_rank("dp")
     model = _build_model(args).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.fsdp:
+        autosp.fully_shard(model, mesh)
     compiled = autosp.compile(
         model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
         print(
             f"autosp train: world {world_size} = dp {dp_size} x sp {sp_size}, "
-            f"{n_params / 1e6:.2f}M parameters, seq_len {args.seq_len}, "
-            f"batch {args.batch_size}, backend {args.backend}, remat {args.remat}, "
-            f"device {device.type}",
+            f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if args.fsdp else ''}, "
+            f"seq_len {args.seq_len}, batch {args.batch_size}, backend {args.backend}, "
+            f"remat {args.remat}, device {device.type}",
             flush=True,
         )
 
