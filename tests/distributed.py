@@ -414,6 +414,22 @@ def make_batch(
     return input_ids, labels
 
 
+def dp_mean_reference(cfg: LlamaConfig, batches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-device reference of data parallelism over ``batches`` (one per dp group):
+    each batch's loss, and the mean over the batches of the single-device gradients."""
+    ref_grads: dict[str, torch.Tensor] = {}
+    ref_losses = []
+    for ids, labels in batches:
+        ref = build_model(cfg)
+        loss = ref(ids, labels)
+        loss.backward()
+        ref_losses.append(loss.item())
+        for name, g in grads_of(ref).items():
+            ref_grads[name] = ref_grads.get(name, 0) + g / len(batches)
+    return ref_losses, ref_grads
+
+
 def reference_loss_and_grads(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
 ) -> tuple[float, dict[str, torch.Tensor]]:

@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import torch
 
-from distributed import (assert_grads_close, build_model, grads_of, make_batch, run_ranks,
-                         tiny_config)
+from distributed import (assert_grads_close, build_model, dp_mean_reference, grads_of, make_batch,
+                         run_ranks, tiny_config)
 
 LOSS_ATOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -51,15 +51,7 @@ def _exact_worker(rank: int, world: int, dp: int) -> dict[str, Any]:
     mesh = autosp.init_mesh(world // dp, dp_size=dp)
     d = mesh.get_local_rank("dp")
     batches = [make_batch(cfg.vocab_size, BATCH, SEQ, seed=s) for s in range(dp)]
-    ref_grads: dict[str, torch.Tensor] = {}
-    ref_losses = []
-    for ids, labels in batches:
-        ref = build_model(cfg)
-        loss = ref(ids, labels)
-        loss.backward()
-        ref_losses.append(loss.item())
-        for name, g in grads_of(ref).items():
-            ref_grads[name] = ref_grads.get(name, 0) + g / dp
+    ref_losses, ref_grads = dp_mean_reference(cfg, batches)
     model = build_model(cfg)
     names = list(model.state_dict())
     autosp.fully_shard(model, mesh)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from distributed import assert_grads_close, build_model, grads_of, make_batch, run_ranks, tiny_config
+from distributed import (assert_grads_close, build_model, dp_mean_reference, grads_of, make_batch,
+                         run_ranks, tiny_config)
 
 
 def _dp_worker(rank: int, world: int) -> dict[str, Any]:
@@ -20,15 +19,7 @@ def _dp_worker(rank: int, world: int) -> dict[str, Any]:
     dp_rank = mesh.get_local_rank("dp")
     batches = [make_batch(cfg.vocab_size, 2, 16, seed=s) for s in (0, 1)]
     # The reference: mean over the two batches of the single-device gradients.
-    ref_grads: dict[str, torch.Tensor] = {}
-    ref_losses = []
-    for ids, labels in batches:
-        ref = build_model(cfg)
-        loss = ref(ids, labels)
-        loss.backward()
-        ref_losses.append(loss.item())
-        for name, g in grads_of(ref).items():
-            ref_grads[name] = ref_grads.get(name, 0) + g / 2
+    ref_losses, ref_grads = dp_mean_reference(cfg, batches)
     cm = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
     ids, labels = batches[dp_rank]
     loss = cm(ids, labels)

@@ -17,13 +17,14 @@ MemoryOptions fp32_options(RematStrategy strategy, int64_t num_params) {
   return o;
 }
 
-// x -> a = mm(x, p) -> b = relu(a) -> loss = sum(b); backward: gb = relu_bw(t, b),
-// gp = mm(x, gb) (p's gradient). Sizes in bytes: p 100, x 8*S, a and b 16*S, loss 4.
-MemoryGraph one_layer() {
+// x -> a = mm(x, p) -> b = relu(a) -> loss = sum(b); backward: gb = relu_bw(t, b) and, if
+// `p_grad`, gp = mm(x, gb) (p's gradient). Sizes in bytes: p `p_bytes`, x 8*S, a and b 16*S,
+// loss 4.
+MemoryGraph mm_relu_layer(int64_t p_bytes, bool p_grad) {
   using S = MemoryGraphBuilder::Spec;
   MemoryGraphBuilder g;
   const int p =
-      g.add(S{.name = "p", .role = MemoryRole::kParameter, .bytes = SeqBytes::constant(100)});
+      g.add(S{.name = "p", .role = MemoryRole::kParameter, .bytes = SeqBytes::constant(p_bytes)});
   const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(8, 1)});
   const int a = g.add(S{
       .name = "a", .kind = RematOpKind::kMatmul, .bytes = SeqBytes::term(16, 1), .inputs = {x, p}});
@@ -39,15 +40,19 @@ MemoryGraph one_layer() {
                          .inputs = {t, b},
                          .fw = false,
                          .tangent = true});
-  g.add(S{.name = "gp",
-          .kind = RematOpKind::kMatmul,
-          .bytes = SeqBytes::constant(100),
-          .inputs = {x, gb},
-          .fw = false,
-          .tangent = true,
-          .gradient = true});
+  if (p_grad) {
+    g.add(S{.name = "gp",
+            .kind = RematOpKind::kMatmul,
+            .bytes = SeqBytes::constant(p_bytes),
+            .inputs = {x, gb},
+            .fw = false,
+            .tangent = true,
+            .gradient = true});
+  }
   return g.graph;
 }
+
+MemoryGraph one_layer() { return mm_relu_layer(100, true); }
 
 TEST(MemorySizes, EvaluatesTermsAndPrints) {
   const SeqBytes b{{{64, 1, 2}, {16, 0, 1}}};
@@ -122,42 +127,6 @@ TEST(MemorySimulator, OptimizerPhaseWhenActivationsAreSmall) {
   EXPECT_EQ(b.optimizer_state, 12000);
 }
 
-// x -> a = mm(x, p) -> b = relu(a) -> loss; backward gb = relu_bw(t, b) and, if `p_grad`, p's
-// gradient gp = mm(x, gb). p is 1000 bytes (250 fp32 parameters).
-MemoryGraph big_parameter_layer(bool p_grad) {
-  using S = MemoryGraphBuilder::Spec;
-  MemoryGraphBuilder g;
-  const int p =
-      g.add(S{.name = "p", .role = MemoryRole::kParameter, .bytes = SeqBytes::constant(1000)});
-  const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(8, 1)});
-  const int a = g.add(S{
-      .name = "a", .kind = RematOpKind::kMatmul, .bytes = SeqBytes::term(16, 1), .inputs = {x, p}});
-  const int b = g.add(S{.name = "b", .bytes = SeqBytes::term(16, 1), .inputs = {a}});
-  g.add(S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {b}, .forward_output = true});
-  const int t = g.add(S{.name = "t",
-                        .role = MemoryRole::kTangent,
-                        .bytes = SeqBytes::constant(4),
-                        .fw = false,
-                        .tangent = true});
-  const int gb = g.add(S{
-      .name = "gb",
-      .bytes = SeqBytes::term(16, 1),
-      .inputs = {t, b},
-      .fw = false,
-      .tangent = true,
-  });
-  if (p_grad) {
-    g.add(S{.name = "gp",
-            .kind = RematOpKind::kMatmul,
-            .bytes = SeqBytes::constant(1000),
-            .inputs = {x, gb},
-            .fw = false,
-            .tangent = true,
-            .gradient = true});
-  }
-  return g.graph;
-}
-
 // ZeRO-3 over 4 ranks, S = 10, policy none: persistent shard 250 and AdamW moments
 // 8 * 250 / 4 = 500, input x 80. Forward, at a: + gathered p 1000 + a 160 = 1990 (p is freed
 // after its last use, a). Backward, at gp: p's full gradient 1000, gb 160, loss 4 -> 1994, the
@@ -165,7 +134,7 @@ MemoryGraph big_parameter_layer(bool p_grad) {
 TEST(MemorySimulator, ShardedParametersAreGatheredWhereUsed) {
   MemoryOptions o = fp32_options(RematStrategy::kNone, 250);
   o.training.param_shards = 4;
-  const MemoryBreakdown b = simulate_peak_memory(big_parameter_layer(true), 10, o);
+  const MemoryBreakdown b = simulate_peak_memory(mm_relu_layer(1000, true), 10, o);
   EXPECT_EQ(b.peak, 1994);
   EXPECT_EQ(b.phase, "backward");
   EXPECT_EQ(b.peak_node, "gp");
@@ -173,7 +142,7 @@ TEST(MemorySimulator, ShardedParametersAreGatheredWhereUsed) {
   EXPECT_EQ(b.gradients, 1000);
   EXPECT_EQ(b.optimizer_state, 500);
   // Without p's gradient the forward's gather is the peak: at a, 250 + 500 + x 80 + 1000 + 160.
-  const MemoryBreakdown f = simulate_peak_memory(big_parameter_layer(false), 10, o);
+  const MemoryBreakdown f = simulate_peak_memory(mm_relu_layer(1000, false), 10, o);
   EXPECT_EQ(f.phase, "forward");
   EXPECT_EQ(f.peak_node, "a");
   EXPECT_EQ(f.peak, 1990);
