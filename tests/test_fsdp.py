@@ -245,6 +245,56 @@ def _error_worker(rank: int, world: int) -> list[str]:
     return errors
 
 
+class _IntHolder(torch.nn.Module):
+    """An integer parameter (no gradient) beside a float one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idx = torch.nn.Parameter(torch.arange(1000, 1004), requires_grad=False)
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.idx + 0, self.w * 1
+
+
+def _attribute_worker(rank: int, world: int) -> dict[str, Any]:
+    """Outside forward a sharded parameter's attribute is the DTensor parameter itself, so
+    initialisation in place, .grad and requires_grad_ reach it; an eager call of the model
+    gathers like the compiled one."""
+    import autosp
+    from torch.distributed.tensor import DTensor
+
+    cfg = _cfg()
+    mesh = autosp.init_mesh(world)
+    ref = build_model(cfg)
+    model = autosp.fully_shard(copy.deepcopy(ref), mesh)
+    out: dict[str, Any] = {"is_dtensor": isinstance(model.lm_head.weight, DTensor)}
+    with torch.no_grad():
+        model.embed_tokens.weight[0].fill_(0.5)
+        ref.embed_tokens.weight[0].fill_(0.5)
+    ids, labels = make_batch(cfg.vocab_size, BATCH, SEQ, seed=0)
+    out["eager"] = model(ids, labels).item()
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+    loss = compiled(ids, labels)
+    loss.backward()
+    out["loss"], out["ref"] = loss.item(), ref(ids, labels).item()
+    out["grad_attr"] = isinstance(model.lm_head.weight.grad, DTensor)
+    model.lm_head.weight.requires_grad_(False)
+    holder = autosp.fully_shard(_IntHolder(), mesh, mp_policy=autosp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16))
+    idx, w = holder()
+    out["int"] = (idx.dtype, idx.tolist(), w.dtype)
+    return out
+
+
+def test_parameter_attributes_outside_forward_are_the_shards() -> None:
+    for r in run_ranks(2, _attribute_worker):
+        assert r["is_dtensor"] and r["grad_attr"]
+        assert abs(r["eager"] - r["ref"]) <= LOSS_ATOL and abs(r["loss"] - r["ref"]) <= LOSS_ATOL, r
+        # MixedPrecisionPolicy casts floating-point parameters only (as FSDP2 does).
+        assert r["int"] == (torch.int64, [1000, 1001, 1002, 1003], torch.bfloat16), r["int"]
+
+
 def test_fully_shard_errors_are_clear() -> None:
     errors = run_ranks(2, _error_worker)[0]
     assert len(errors) == 3

@@ -232,6 +232,43 @@ def test_every_sp_group_learns_of_a_mismatch() -> None:
                                   "rank 2) different across its ranks, which raise the details; expected"), msg
 
 
+def _changed_shapes_worker(rank: int, world: int) -> dict[str, Any]:
+    """on_change with shapes that change on some ranks only: dp group 0 gets a longer batch
+    at step 1 (its peers in dp group 1 do not), then rank 3 alone a longer one at step 2.
+    Parameters sharded (autosp.fully_shard): every step all-gathers over all four ranks."""
+    cfg = tiny_config(num_heads=4, num_kv_heads=2)
+    mesh = autosp.init_mesh(sp_size=2)
+    dp = mesh.get_local_rank("dp")
+    ref = build_model(cfg)
+    model = autosp.fully_shard(copy.deepcopy(ref), mesh)
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    for step, seq in enumerate((SEQ, 2 * SEQ if dp == 0 else SEQ)):
+        ids, labels = make_batch(cfg.vocab_size, 2, seq, seed=10 * step + dp)
+        before = compiled.input_guard.checks
+        loss = compiled(ids, labels)
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["ref_losses"].append(ref(ids, labels).item())
+        out[f"checked_{step}"] = compiled.input_guard.checks - before
+    seq = 4 * SEQ if rank == 3 else SEQ
+    ids, labels = make_batch(cfg.vocab_size, 2, seq, seed=99)
+    out["rank3_longer"] = _outcome(lambda: compiled(ids, labels))
+    return out
+
+
+def test_shapes_changing_on_some_ranks_only_are_checked_by_all() -> None:
+    for rank, out in enumerate(run_ranks(4, _changed_shapes_worker, timeout=TIMEOUT_S)):
+        # Step 1 changed dp group 0's shapes only: every rank checks (none waits in the
+        # parameters' all-gather while the others compare inputs), and the loss is exact.
+        assert out["checked_0"] == 1 and out["checked_1"] == 1, (rank, out)
+        for loss, ref in zip(out["losses"], out["ref_losses"]):
+            assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (rank, loss, ref)
+        kind, msg = out["rank3_longer"]
+        assert kind == "AutospError", (rank, out["rank3_longer"])
+        assert msg.startswith("[autosp:inputs]"), msg
+
+
 def test_check_inputs_value_is_validated() -> None:
     with pytest.raises(autosp.AutospError, match=r"\[autosp:compile\] found check_inputs='sometimes'; "
                                                  r"expected one of \('on_change', 'always', 'never'\)"):

@@ -367,8 +367,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     ``check_inputs``: before running, the inputs are compared across the SP group (shapes and
     dtypes, then a checksum of every tensor's values), and ranks fed different data all raise
     the same AutospError instead of training on garbage or hanging. ``"on_change"`` (default)
-    compares on the first call and whenever this rank's input shapes or dtypes change (two
-    small all-gathers then, nothing otherwise), ``"always"`` on every call, ``"never"`` not
+    compares on the first call and whenever some rank's input shapes or dtypes change (two
+    small all-gathers then; otherwise one one-element all-reduce over "sp" and one over "dp"
+    per call, so that all ranks agree to check), ``"always"`` on every call, ``"never"`` not
     at all. ``seq_dim`` is the sequence dim of the batch-first inputs (>= 1).
 
     ``unsupported``: what to do with an op that has no sequence-parallel form for its

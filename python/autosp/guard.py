@@ -225,11 +225,13 @@ def _row_text(row: Sequence[int]) -> str:
 class InputGuard:
     """Checks that every rank of the SP ``group`` is called with the same arguments.
 
-    ``mode``: ``"on_change"`` checks on the first call and whenever this rank's
-    signature (argument structure, shapes, dtypes, scalar values) differs from the last
-    checked one; ``"always"`` on every call; ``"never"`` not at all. With ``"on_change"``
-    a shape change on some ranks only (their peers' shapes unchanged) is not compared;
-    ``"always"`` catches that too.
+    ``mode``: ``"on_change"`` checks on the first call and whenever some rank's signature
+    (argument structure, shapes, dtypes, scalar values) differs from its last checked one;
+    the ranks agree on that with a one-element all-reduce over the SP group and one over "dp"
+    per call, so a change on some ranks only (one dp group's longer batch, one rank's
+    different length) is checked by every rank together instead of leaving the others
+    waiting in a different collective. ``"always"`` checks every call; ``"never"`` not at
+    all.
 
     With a ``dp_group`` (the mesh's "dp" axis), the SP groups also tell each other the
     outcome (one all-reduce over "dp"), so that when one SP group's inputs disagree every
@@ -252,11 +254,21 @@ class InputGuard:
         if self.mode == "never" or self.group is None or dist.get_world_size(self.group) < 2:
             return
         sig = signature(leaves) if sig is None else sig
-        if self.mode == "on_change" and sig == self.checked:
+        if self.mode == "on_change" and not self._any_rank_changed(sig != self.checked):
             return
         self.checked = None
         self.check(leaves)
         self.checked = sig
+
+    def _any_rank_changed(self, changed: bool) -> bool:
+        """Whether any rank of the mesh (this SP group, then over "dp") has a new signature:
+        check() runs collectives, so every rank must take the same branch."""
+        flag = torch.tensor([int(changed)], dtype=torch.int64, device=_comm_device(self.group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            flag = flag.to(_comm_device(self.dp_group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return bool(flag.item())
 
     def check(self, leaves: Sequence[Leaf]) -> None:
         """Compare ``leaves`` across the group; raise the same AutospError on every rank."""

@@ -10,7 +10,10 @@ compiled graph, where autosp's remat partitioner places them, and nothing runs b
 torch.distributed. See docs/fsdp.md for why this and not FSDP2's hooks.
 
 The state dict keeps the model's own names: the parameters stay registered under their names
-(as DTensors) and a class-level property on each module returns the gathered tensor.
+(as DTensors), and a class-level property on each module returns the gathered tensor while
+the model runs (traced by autosp.compile, or called eagerly) and the DTensor parameter
+otherwise, so that initialisation, ``.grad`` and optimizer groups outside ``forward`` reach
+the sharded parameter itself.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from autosp.errors import AutospError
 __all__ = ["MixedPrecisionPolicy", "fully_shard", "is_sharded", "shard_mesh"]
 
 _SHARDED_CLASS = "_autosp_sharded_class"
+_EAGER_FORWARDS = [0]  # sharded models' forward calls running eagerly (not traced), nested
 _PARAMETER_GROUPS: set[str] = set()  # process group names parameters are sharded over
 
 
@@ -71,7 +75,10 @@ class _Gather(nn.Module):
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     def getter(name: str) -> property:
         def get(self: nn.Module) -> torch.Tensor:
-            return self._autosp_gathers[name](self._parameters[name])
+            p = self._parameters[name]
+            if torch.compiler.is_compiling() or _EAGER_FORWARDS[0] > 0:
+                return self._autosp_gathers[name](p)
+            return p
 
         return property(get)
 
@@ -143,10 +150,25 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh, *,
                 seen[id(p)] = nn.Parameter(distribute_tensor(p.detach(), flat, placement),
                                            requires_grad=p.requires_grad)
             module._parameters[name] = seen[id(p)]
-            module._autosp_gathers[name] = _Gather(flat, mp_policy.param_dtype,
-                                                   mp_policy.reduce_dtype)
+            floating = p.is_floating_point()  # FSDP2 casts floating-point parameters only
+            module._autosp_gathers[name] = _Gather(flat, mp_policy.param_dtype if floating else None,
+                                                   mp_policy.reduce_dtype if floating else None)
         module.__class__ = _sharded_class(type(module), names)
+    # An eager call of the model (outside autosp.compile: evaluation, generation) reads the
+    # gathered parameters too; under the compiler the getters see is_compiling().
+    model.register_forward_pre_hook(_enter_forward)
+    model.register_forward_hook(_exit_forward, always_call=True)
     return model
+
+
+def _enter_forward(module: nn.Module, args: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _EAGER_FORWARDS[0] += 1
+
+
+def _exit_forward(module: nn.Module, args: Any, output: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _EAGER_FORWARDS[0] -= 1
 
 
 def check_not_fsdp2(model: nn.Module) -> None:
