@@ -973,6 +973,11 @@ def run_case(name: str, build: Callable[[], nn.Module],
     (an AutospError, message in detail); ``mismatch`` (ran, but the loss or a gradient
     differs: the worst bug); ``crash`` (any other exception, type and message in detail).
     ``gathered``: the ops run on the gathered sequence (see autosp.compile's ``unsupported``).
+    The loss bound is ``loss_atol`` up to |loss| = 1 and relative above it, as in the other
+    exactness tests: fp32 holds a loss of 60 to about 4e-6, and a sum over ranks in another
+    order moves it by a few of those (a generated model with a loss of 60.5 differed by
+    1.1e-5, 3 ulps, with every gradient within 1e-4, and equalled one device exactly in
+    float64).
     """
     import traceback
     import warnings
@@ -1010,7 +1015,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
             loss_diff = abs(loss.item() - ref_loss)
             result["steps"].append({"loss": loss.item(), "ref_loss": ref_loss,
                                     "max_grad_err": max(errs.values(), default=0.0)})
-            if not loss_diff <= loss_atol or bad or tuple(loss.shape) != ():
+            if not loss_diff <= loss_atol * max(1.0, abs(ref_loss)) or bad or tuple(loss.shape) != ():
                 worst = sorted(bad.items(), key=lambda kv: -kv[1])[:4]
                 result["outcome"] = MISMATCH
                 result["detail"] = (
