@@ -117,7 +117,9 @@ def test_single_device_saved_bytes_exact_and_peak_close(
         f"predicted {predicted.peak} vs measured {measured_peak}")
 
 
-def test_ulysses_rank_saved_bytes_exact_and_peak_close(traced_p2: planner.TracedStep) -> None:
+def _measure_on_fake_rank(shard: bool) -> tuple[int, int]:
+    """(saved bytes, peak) of rank 0 of 2 against a fake process group, the tiny Llama compiled
+    with sequence-aware remat, its state sharded by autosp.fully_shard if ``shard``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -130,11 +132,17 @@ def test_ulysses_rank_saved_bytes_exact_and_peak_close(traced_p2: planner.Traced
         mesh = autosp.init_mesh(2)
         torch.manual_seed(0)
         model = LlamaForCausalLM(TINY)
+        if shard:
+            autosp.fully_shard(model, mesh)
         ids, labels = _batch()
         compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware", backend="aot_eager")
-        measured_saved, measured_peak = _run_step(model, compiled, ids, labels)
+        return _run_step(model, compiled, ids, labels)
     finally:
         dist.destroy_process_group()
+
+
+def test_ulysses_rank_saved_bytes_exact_and_peak_close(traced_p2: planner.TracedStep) -> None:
+    measured_saved, measured_peak = _measure_on_fake_rank(shard=False)
     predicted = _core.simulate_peak_memory(
         traced_p2.graph, SEQ, _options("sequence-aware", traced_p2))
     assert predicted.saved_bytes == measured_saved
@@ -146,23 +154,7 @@ def test_ulysses_rank_saved_bytes_exact_and_peak_close(traced_p2: planner.Traced
 def test_sharded_state_saved_bytes_exact_and_peak_close(traced_p2: planner.TracedStep) -> None:
     """ZeRO-3 (autosp.fully_shard) on rank 0 of 2: parameters, gradients and AdamW state are
     halves, each parameter is gathered where it is used (forward, then again in backward)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import autosp
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        mesh = autosp.init_mesh(2)
-        torch.manual_seed(0)
-        model = autosp.fully_shard(LlamaForCausalLM(TINY), mesh)
-        ids, labels = _batch()
-        compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware", backend="aot_eager")
-        measured_saved, measured_peak = _run_step(model, compiled, ids, labels)
-    finally:
-        dist.destroy_process_group()
+    measured_saved, measured_peak = _measure_on_fake_rank(shard=True)
     options = planner._core_options("sequence-aware", "fp32", traced_p2.num_params, 1,
                                     param_shards=2)
     predicted = _core.simulate_peak_memory(traced_p2.graph, SEQ, options)
