@@ -39,6 +39,21 @@ bool materialized_backward(const Prepared& p, int32_t start) {
   return false;
 }
 
+// The bans both heuristic policies start with (PyTorch's ban_recomputation_if_allowed
+// prologue): primal inputs and MUST_SAVE nodes. False when the policy's own rules do not apply
+// (a backward node, a must-recompute node, a node outside the forward, a getitem, MUST_SAVE).
+bool shared_bans(const RematNode& node, int32_t i, Bans& bans) {
+  if (node.required_bw && node.tangents_closure) return false;
+  if (node.must_recompute) return false;
+  if (node.primal_input) bans.ban(i, "primal input");
+  if (!node.required_fw || node.kind == RematOpKind::kInput || node.getitem) return false;
+  if (node.must_save) {
+    bans.ban(i, "marked MUST_SAVE");
+    return false;
+  }
+  return true;
+}
+
 bool reduces_4x(const RematGraph& graph, int32_t i) {
   int64_t inputs = 0;
   for (int32_t a : graph.nodes[i].args) inputs += graph.nodes[a].bytes;
@@ -85,14 +100,7 @@ void default_bans(const Prepared& p, const RematOptions& options, Bans& bans) {
   const auto n = static_cast<int32_t>(nodes.size());
   for (int32_t i = 0; i < n; ++i) {
     const RematNode& node = nodes[i];
-    if (node.required_bw && node.tangents_closure) continue;
-    if (node.must_recompute) continue;
-    if (node.primal_input) bans.ban(i, "primal input");
-    if (!node.required_fw || node.kind == RematOpKind::kInput || node.getitem) continue;
-    if (node.must_save) {
-      bans.ban(i, "marked MUST_SAVE");
-      continue;
-    }
+    if (!shared_bans(node, i, bans)) continue;
     if (node.kind != RematOpKind::kCheap && node.kind != RematOpKind::kView) {
       bans.ban(i, std::string("not in recomputable allowlist (") + to_string(node.kind) + ")");
       continue;
@@ -182,14 +190,7 @@ void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, B
   const auto& nodes = p.graph->nodes;
   for (int32_t i = 0; i < static_cast<int32_t>(nodes.size()); ++i) {
     const RematNode& node = nodes[i];
-    if (node.required_bw && node.tangents_closure) continue;
-    if (node.must_recompute) continue;
-    if (node.primal_input) bans.ban(i, "primal input");
-    if (!node.required_fw || node.kind == RematOpKind::kInput || node.getitem) continue;
-    if (node.must_save) {
-      bans.ban(i, "marked MUST_SAVE");
-      continue;
-    }
+    if (!shared_bans(node, i, bans)) continue;
     switch (node.kind) {
       case RematOpKind::kCollective:
         bans.ban(i, "collective");
