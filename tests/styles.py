@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import styles_nn
 from distributed import make_batch
 
 VOCAB = 64
@@ -904,7 +905,11 @@ EXTRA: list[Style] = [
     Style("sinusoidal-transposed-ce-smoothing", lambda: SinusoidalTransposedCELM(n_layers=1),
           ids_labels),
     Style("softcap-zloss", lambda: ZLossSoftcapLM(n_layers=1), ids_labels),
-    Style("nn-multihead-attention", lambda: MHAModuleLM(), ids_labels, gathers=True),
+    Style("nn-multihead-attention", lambda: MHAModuleLM(), ids_labels),
+    Style("nn-transformer-encoder", lambda: styles_nn.TorchEncoderLM(), ids_labels),
+    Style("nn-transformer-encoder-padded-seq-first", lambda: styles_nn.TorchEncoderPaddedMLM(),
+          bert_inputs),
+    Style("nn-mha-need-weights", lambda: styles_nn.MHANeedWeightsLM(), ids_labels, gathers=True),
     Style("mamba2-chunked-ssd-hybrid", lambda: MambaHybridLM(), ids_labels, gathers=True),
     Style("causal-conv1d-mixer", lambda: CausalConvLM(), ids_labels),
     Style("conv1d-same-dilated", lambda: SameConvLM(), ids_labels),

@@ -1,4 +1,4 @@
-"""Hand-written model styles (tests/styles.py), as people really write them, compiled for
+"""Hand-written model styles (tests/styles.py, tests/styles_nn.py), as people really write them, compiled for
 Ulysses SP and compared with the same model on one device: the loss within 1e-5 and every
 gradient max|g - g_ref| / max|g_ref| <= 1e-4 (fp32), two steps with different batches.
 
@@ -7,14 +7,15 @@ rank and returned), then each style is its own test. A style autosp cannot compi
 is an ``xfail(strict=True, raises=AutospError)`` with the exact refusal as its reason: the
 suite stays green, a fix flips it to XPASS (strict: fails until the mark is removed), and
 a refusal that turns into a silent mismatch or a crash fails the test. Styles that cannot
-be exact under Ulysses by construction (attention over a shifted sequence, nn.MultiheadAttention's
-fused kernel) must be refused with a clear AutospError naming the op.
+be exact under Ulysses by construction (attention over a shifted sequence) must be refused with
+a clear AutospError naming the op.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 
 import pytest
 
@@ -43,11 +44,12 @@ REFUSED = {
 # Styles with an op that has no sequence-parallel form: exact by default, that op running on
 # the gathered sequence; with unsupported="error" refused at that op (run as "<name>[error]").
 STRICT_REFUSED = {
-    "nn-multihead-attention": "multi_head_attention_forward",
+    "nn-mha-need-weights": "multi_head_attention_forward",
     "mamba2-chunked-ssd-hybrid": "pad",
 }
 
-WORLD4 = [s.name for s in styles.LISTED] + ["mamba2-chunked-ssd-hybrid"]  # + the gather fallback
+WORLD4 = [s.name for s in styles.LISTED] + ["mamba2-chunked-ssd-hybrid",  # + the gather fallback
+                                           "nn-transformer-encoder"]  # + a decomposed composite
 
 # Styles whose [S, S] attention mask autosp computes one tile of query rows at a time
 # (autosp.tiled_attention; every style runs with tiles of 3 rows). Strict both ways: a style
@@ -59,7 +61,9 @@ TILED_MASKS = {"llama-scratch-complex-rope", "llama-scratch-cos-sin-mha", "llama
 # variant of a form the default set already covers, or (the SSD hybrid, about 30 s) slow to
 # compile. The default suite keeps one style of each form, including one gathered style.
 SLOW_W2 = {
-    "mamba2-chunked-ssd-hybrid",   # gathered, like nn-multihead-attention (default)
+    "mamba2-chunked-ssd-hybrid",   # gathered, like nn-mha-need-weights (default)
+    "nn-multihead-attention",      # nn-transformer-encoder (both decomposed)
+    "nn-transformer-encoder-padded-seq-first",
     "bert-masked-mean-mse",        # bert-masked-mean-ce
     "moe-dense-gates-aux",         # moe-index-add-aux
     "llama-scratch-cos-sin-kv2",   # llama-scratch-cos-sin-mha, sdpa-enable-gqa-kv2
@@ -141,7 +145,7 @@ def _check_world2(name: str) -> None:
         # One warning, at the first compile, naming the ops and the user's source lines.
         assert len(r["gather_warnings"]) == 1, r["gather_warnings"]
         text = r["gather_warnings"][0]
-        assert "styles.py:" in text and 'unsupported="error"' in text, text
+        assert re.search(r"styles(_nn)?\.py:\d+", text) and 'unsupported="error"' in text, text
     else:
         assert not r["gathered"], f"{name}: ops run on the gathered sequence: {r['gathered']}"
         assert not r["gather_warnings"], r["gather_warnings"]
@@ -166,7 +170,7 @@ def test_style_refused_clearly(name: str) -> None:
     message = str(info.value)
     op = REFUSED.get(name) or STRICT_REFUSED[name.removesuffix("[error]")]
     assert f"op '{op}'" in message, message
-    assert "styles.py:" in message, f"the refusal does not name the user's source line: {message}"
+    assert re.search(r"styles(_nn)?\.py:\d+", message), f"the refusal does not name the user's source line: {message}"
 
 
 # Styles whose ranks run different code around a collective (the last rank's part of a shifted

@@ -333,6 +333,12 @@ class SequenceParallelModule(nn.Module):
         return [reason for rec in self.sp_backend.records for reason in rec.gathered]
 
     @property
+    def decomposed(self) -> list[str]:
+        """Composite Torch functions (``multi_head_attention_forward``) taken apart into ATen
+        ops and planned op by op (autosp.decompose), by name, over every compiled graph."""
+        return [name for rec in self.sp_backend.records for name in rec.decomposed]
+
+    @property
     def tiled_masks(self) -> list[str]:
         """The attention calls of every compiled graph whose ``[S, S]`` mask autosp never
         materialises: it is computed from its O(S) operands one tile of query rows at a time

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autosp import collectives, tiled_attention
 from autosp.bridge import BridgeResult
+from autosp.canon import target_name
 from autosp.errors import AutospError, at_node
 
 
@@ -203,7 +204,7 @@ class _Replayer:
         return self.graph.call_function(collectives.sharded_random_like, (x, cn.op) + where, extra)
 
     def localise_sizes(self, fxn: fx.Node, cn: Any, args: Any, kwargs: dict, dims: list[int]) -> tuple:
-        name = fxn.target if isinstance(fxn.target, str) else getattr(fxn.target, "__name__", "")
+        name = target_name(fxn)
         if name not in _SIZE_ARG_METHODS:
             return args, kwargs  # sizes come from the (local) input itself
         args = list(args)

@@ -19,6 +19,7 @@ import torch.fx as fx
 from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
+from autosp.decompose import decompose_composites
 from autosp.errors import AutospError, AutospGatherWarning, stage
 from autosp.remat_policy import BACKENDS  # the backend names, defined once
 
@@ -44,6 +45,9 @@ class CompileRecord:
     # Attention calls whose [S, S] mask is computed one tile of query rows at a time
     # (autosp.tiled_attention), each as its source location.
     tiled_masks: list[str] = field(default_factory=list)
+    # Composite Torch functions taken apart into ATen ops before the plan (autosp.decompose),
+    # by name, in program order.
+    decomposed: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -144,6 +148,11 @@ class SequenceParallelBackend:
         t0 = time.perf_counter()
         rec.stages.append(Stage("dynamo", gm.print_readable(print_output=False), 0.0))
         try:  # dump what was produced, also when a stage fails (AUTOSP_DUMP_DIR)
+            with stage("decompose"):
+                rec.decomposed = decompose_composites(gm)
+                if rec.decomposed:
+                    rec.stages.append(Stage("decomposed", gm.print_readable(print_output=False),
+                                            time.perf_counter() - t0))
             with stage("bridge"):
                 bridge = fx_to_core(gm, list(example_inputs), self.seq_dim)
                 t1 = time.perf_counter()

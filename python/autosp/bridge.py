@@ -61,6 +61,8 @@ def _is_inplace(node: fx.Node) -> bool:
     t = node.target
     if isinstance(t, str):
         return t.endswith("_") and not t.startswith("_")
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
     name = getattr(t, "__name__", "")
     if getattr(t, "__module__", "") in ("_operator", "operator"):
         return name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior")

@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
+from autosp.ops import is_pointwise
+
 ArgPath = tuple
 
 _ALIASES = {
@@ -55,8 +57,38 @@ _NONTENSOR = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_gra
               "autocast", "_record_function_enter_new", "_record_function_exit"}
 
 
-def _target_name(node: fx.Node) -> str:
+# ATen ops whose arguments sit where their Torch-level function's do, so the rows read them
+# as they read the Torch call (ATen name -> Torch name). Such ops come from the
+# decompositions autosp splices (autosp.decompose) or from a model calling torch.ops.aten.
+# Not listed because they differ: embedding (weight, indices), cross_entropy_loss (an int
+# reduction), einsum (a list of operands).
+ATEN_AS_TORCH = {name: name for name in (
+    "linear", "matmul", "bmm", "mm", "view", "reshape", "unflatten", "flatten", "unsqueeze",
+    "squeeze", "transpose", "permute", "expand", "contiguous", "clone", "detach", "alias",
+    "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "cat", "stack",
+    "scaled_dot_product_attention", "softmax", "log_softmax", "layer_norm", "dropout",
+    "sym_size", "sum", "mean", "amax", "amin", "masked_fill", "triu", "tril",
+    "repeat_interleave", "index_select", "gather", "pad")} | {"_to_copy": "to"}
+
+
+def aten_torch_name(op: torch._ops.OpOverload) -> str:
+    """The Torch-level name the rows read an ATen op as, or ``"aten.<op>.<overload>"`` (no
+    row, no rule: refused or gathered on sharded operands) for an op whose arguments are not
+    read like a Torch function's, or one that writes into an operand."""
+    name = op.overloadpacket.__name__
+    if not op._schema.is_mutable:
+        if name in ATEN_AS_TORCH:
+            return ATEN_AS_TORCH[name]
+        if is_pointwise(name):
+            return name
+    return str(op)
+
+
+def target_name(node: fx.Node) -> str:
+    """The Torch-level name of a call (in-place suffix removed, aliases not resolved)."""
     t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return aten_torch_name(t)
     if isinstance(t, str):
         name = t
     else:
@@ -148,7 +180,7 @@ def canonicalize(node: fx.Node) -> Canon:
     """(canonical op, tensor operands with their arg paths, attributes) for one FX node."""
     if node.op not in ("call_function", "call_method"):
         return node.op, _tensor_inputs(node), {}
-    name = _target_name(node)
+    name = target_name(node)
     name = _ALIASES.get(name, name)
     ex = _example(node)
     if name in ("_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):

@@ -31,6 +31,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.canon import target_name
+
 # How a chain node's replay on rows [start, end) differs from the op as written (the core's
 # enum How in mask_tiles.cpp).
 _PLAIN, _EXPAND_SIZE, _FACTORY_SIZE, _TRIL_ROWS, _TRIL_COLS, _EYE_ROWS, _RESHAPE_SIZE = range(7)
@@ -85,11 +87,6 @@ def eye_rows(start: int, end: int, n: int, m: int | None = None, *, dtype: torch
     return (rows == cols).to(dtype if dtype is not None else torch.get_default_dtype())
 
 
-def _target_name(fxn: fx.Node) -> str:
-    t = fxn.target
-    return t if isinstance(t, str) else getattr(t, "__name__", "")
-
-
 def _operands(fxn: fx.Node, paths: list) -> list[fx.Node]:
     """The FX nodes at an op's operand paths (the tensors the core sees as its inputs)."""
     found = []
@@ -118,7 +115,7 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
         for a in _nodes_in((fxn.args, fxn.kwargs)):
             ex = a.meta.get("example_value")
             if isinstance(ex, torch.Tensor) and a not in at_paths:
-                if _target_name(fxn) not in ("to", "type_as"):
+                if target_name(fxn) not in ("to", "type_as"):
                     raise AssertionError(f"mask recipe: {fxn.name} reads {a.name} outside its operands")
                 dtypes[a] = ex.dtype
                 continue
@@ -167,7 +164,7 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
         args = _to_tuples(args, fxn.args)
         kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
         target, kind = fxn.target, fxn.op
-        if _target_name(fxn) == "type_as":  # x.type_as(y): the cast to y's dtype
+        if target_name(fxn) == "type_as":  # x.type_as(y): the cast to y's dtype
             target, kind = "to", "call_method"
         if how == _EYE_ROWS:
             target, kind, args = eye_rows, "call_function", (start, end, *args)

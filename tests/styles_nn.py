@@ -1,0 +1,81 @@
+"""Models built from torch.nn's own transformer modules, as tutorials and many hand-written
+models are: nn.TransformerEncoder(Layer) and nn.MultiheadAttention called the common ways.
+Their attention is F.multi_head_attention_forward, one call at the Torch level, which
+autosp takes apart with PyTorch's own decomposition (autosp.decompose) to shard it like any
+other attention. Registered in styles.ALL."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, HIDDEN, HEADS = 64, 32, 4
+
+
+class TorchEncoderLM(nn.Module):
+    """nn.TransformerEncoder of pre-norm GELU layers (batch_first), causal by a
+    generate_square_subsequent_mask mask and is_causal=True, tied embeddings."""
+
+    def __init__(self, n_layers: int = 2, norm_first: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.pos = nn.Embedding(64, HIDDEN)
+        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, n_layers, norm=nn.LayerNorm(HIDDEN),
+                                             enable_nested_tensor=False)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        S = input_ids.shape[1]
+        pos = torch.arange(S, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(pos)
+        mask = nn.Transformer.generate_square_subsequent_mask(S, device=x.device)
+        h = self.encoder(x, mask=mask, is_causal=True)
+        logits = self.head(h)
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), shift_labels.reshape(-1))
+
+
+class TorchEncoderPaddedMLM(nn.Module):
+    """A bidirectional sequence-first nn.TransformerEncoder (batch_first=False, post-norm)
+    with a boolean src_key_padding_mask and a masked-mean loss."""
+
+    def __init__(self, n_layers: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids).transpose(0, 1)  # [S, B, H]
+        h = self.encoder(x, src_key_padding_mask=attention_mask == 0).transpose(0, 1)
+        per_tok = F.cross_entropy(self.head(h).transpose(1, 2), input_ids, reduction="none")
+        m = attention_mask.float()
+        return (per_tok * m).sum() / m.sum()
+
+
+class MHANeedWeightsLM(nn.Module):
+    """nn.MultiheadAttention called with its defaults (need_weights=True: the attention
+    probabilities are computed explicitly and averaged over heads) and a boolean causal mask;
+    the weights are used, as in attention-visualising models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.mha = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        S = input_ids.shape[1]
+        x = self.embed(input_ids)
+        causal = torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1)
+        a, w = self.mha(x, x, x, attn_mask=causal)
+        logits = self.head(x + a)
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        ent = -(w.clamp_min(1e-9).log() * w).sum(-1).mean()  # attention entropy regulariser
+        return F.cross_entropy(logits.view(-1, VOCAB), shift_labels.reshape(-1)) + 1e-3 * ent
