@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -26,25 +27,58 @@ def _autosp_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "autosp.cli"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--fsdp"]], ids=["replicated", "fsdp"])
-def test_train_two_ranks_runs_and_checks(extra: list[str]) -> None:
+def _hf_toml(tmp_path: Path) -> list[str]:
+    """A TOML config naming a tiny Hugging Face Qwen2 config.json (random weights)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256).save_pretrained(tmp_path / "qwen2")
+    f = tmp_path / "run.toml"
+    f.write_text(f'[model]\nhf_config = "{tmp_path / "qwen2"}"\n[training]\nlr = 1e-3\n'
+                 'grad_accum = 2\nwarmup_steps = 1\n[parallel]\nfsdp = true\n')
+    return ["--config", str(f)]
+
+
+# The README's flat flags on the built-in Llama; and a TOML file with a Hugging Face model,
+# sharded (fully_shard), two micro-batches accumulated and a warmup, overridden by flags.
+@pytest.mark.parametrize("variant", ["flags", "hf-toml-fsdp"])
+def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
+    extra = _hf_toml(tmp_path) if variant == "hf-toml-fsdp" else [
+        "--vocab-size", "128", "--hidden-size", "64", "--layers", "2", "--heads", "4",
+        "--kv-heads", "2"]
+    out = tmp_path / "run"
     cmd = [
-        *_autosp_command(), "train",
+        *_autosp_command(), "train", *extra,
         "--nproc", "2", "--sp", "2", "--steps", "3", "--backend", "aot_eager",
-        "--seq-len", "32", "--batch-size", "2", "--vocab-size", "128",
-        "--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-        "--check", *extra,
+        "--seq-len", "32", "--batch-size", "2", "--check", "--out-dir", str(out),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}\n{output}"
-    losses = [float(m) for m in re.findall(r"^step\s+\d+\s+loss\s+(\S+)", proc.stdout, re.M)]
+    losses = [float(m) for m in re.findall(r"^step\s+\d+/3\s+loss\s+(\S+)", proc.stdout, re.M)]
     assert len(losses) == 3, output
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"loss did not decrease over 3 AdamW steps: {losses}"
     assert re.search(r"^check: first-step loss .*: OK$", proc.stdout, re.M), output
-    assert ("sharded over all ranks" in proc.stdout) == bool(extra), output
+    assert ("sharded over all ranks" in proc.stdout) == (variant == "hf-toml-fsdp"), output
+    # The metrics file: one record per step with every field, the printed losses.
+    from autosp.train.config import load
+    from autosp.train.metrics import FIELDS
+
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(set(FIELDS) <= set(r) for r in records), records[0]
+    assert [round(r["loss"], 6) for r in records] == losses
+    accum = 2 if variant == "hf-toml-fsdp" else 1
+    assert all(r["tokens"] == 2 * 32 * accum for r in records)  # batch x seq x accum x dp 1
+    assert all(r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
+    if variant == "hf-toml-fsdp":  # warmup 1 step, then cosine to 0.1 x lr at the last step
+        assert [r["lr"] for r in records] == pytest.approx([1e-3, 1e-3, 1e-4])
+    # The effective config, saved beside the metrics, is what ran: the flags included.
+    saved = load(str(out / "config.toml"))
+    assert saved.training.steps == 3 and saved.parallel.sp == 2 and saved.training.check
 
 
 def test_relaunch_arguments_reach_the_ranks_intact() -> None:
@@ -62,9 +96,11 @@ def test_relaunch_arguments_reach_the_ranks_intact() -> None:
     # What the ranks receive parses to the same training options.
     ours = cli._build_parser().parse_args(args_list)
     theirs = cli._build_parser().parse_args(parsed.training_script_args)
-    assert {k: v for k, v in vars(theirs).items() if k != "nproc"} == {
-        k: v for k, v in vars(ours).items() if k != "nproc"
+    nproc = "override:parallel.nproc"
+    assert {k: v for k, v in vars(theirs).items() if k != nproc} == {
+        k: v for k, v in vars(ours).items() if k != nproc
     }
+    assert vars(ours)[nproc] == 4 and nproc not in vars(theirs)
 
 
 def test_plan_without_planner_reports_clearly(

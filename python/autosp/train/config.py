@@ -1,0 +1,223 @@
+"""``autosp train``'s configuration: one TOML file, overridden from the command line.
+
+    autosp train --config run.toml --training.seq_len 131072 --parallel.sp 8
+    autosp train --seq-len 512 --sp 4          # flat flags: each field's own name
+
+Every field is declared once, in the dataclasses below (its type, default and help); the
+command-line options are generated from them, as ``--<section>.<field>`` and, where the
+field's name is unique across sections, a flat ``--<field-name>``. The effective config is
+printed at start and saved as ``config.toml`` in the run's output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from autosp.errors import AutospError
+
+
+def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _f("tiny-llama", "the built-in model: autosp.models.llama sized by the fields "
+                                   "below (used when neither hf_config nor hf_checkpoint is set)",
+                     ("tiny-llama",))
+    hf_config: str = _f("", "a Hugging Face config.json (file or folder): that architecture, "
+                            "random weights")
+    hf_checkpoint: str = _f("", "a local Hugging Face model folder (config.json and "
+                                "safetensors): its weights")
+    vocab_size: int = _f(256, "tiny-llama: vocabulary size")
+    hidden_size: int = _f(64, "tiny-llama: model width")
+    intermediate_size: int = _f(172, "tiny-llama: MLP width")
+    layers: int = _f(2, "tiny-llama: decoder layers")
+    heads: int = _f(4, "tiny-llama: query heads")
+    kv_heads: int = _f(0, "tiny-llama: key/value heads (0: as many as query heads)")
+    dtype: str = _f("float32", "parameter dtype; bfloat16 with parallel.fsdp is mixed precision "
+                               "(fp32 master weights), without it pure bf16",
+                    ("float32", "bfloat16"))
+
+
+@dataclass
+class TrainingConfig:
+    seq_len: int = _f(256, "sequence length S (full, per SP group)")
+    batch_size: int = _f(2, "sequences per SP group per micro-batch")
+    grad_accum: int = _f(1, "micro-batches per optimizer step")
+    steps: int = _f(20, "optimizer steps")
+    lr: float = _f(3e-3, "AdamW peak learning rate")
+    warmup_steps: int = _f(0, "linear warmup from 0 to lr over this many steps")
+    min_lr_ratio: float = _f(0.1, "cosine decay to lr * min_lr_ratio at the last step")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = _f(0, "model and data seed")
+    backend: str = _f("inductor", "compiler backend of the SP graph", ("inductor", "aot_eager"))
+    remat: str = _f("sequence-aware", "activation rematerialisation policy",
+                    ("sequence-aware", "default", "none"))
+    check: bool = _f(False, "at the end, compare the first step's loss with the plain model on one "
+                            "device (exit 1 on mismatch)")
+    check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = _f(2, "processes to launch when not already under torchrun")
+    sp: int = _f(0, "SP degree P (0: all processes); the rest is data parallel")
+    fsdp: bool = _f(False, "shard parameters, gradients and AdamW state over all ranks "
+                           "(autosp.fully_shard, ZeRO-3)")
+    device: str = _f("auto", "cuda uses NCCL, cpu Gloo; auto picks cuda when available",
+                     ("auto", "cpu", "cuda"))
+    timeout_s: float = _f(600.0, "collective timeout in seconds: a rank that stops answering ends "
+                                 "the run on every rank after this long")
+
+
+@dataclass
+class MetricsConfig:
+    out_dir: str = _f("runs/autosp", "the run's folder: config.toml, metrics.jsonl, TensorBoard")
+    log_every: int = _f(1, "print and record every this many steps")
+    tensorboard: bool = _f(True, "also write TensorBoard events (when tensorboard is installed)")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else get_type_hints(TrainConfig)[f.name]
+                             for f in dataclasses.fields(TrainConfig)}
+
+
+class ConfigError(AutospError):
+    """A config file or override autosp cannot use: says which key, what was found and what
+    was expected."""
+
+
+def _fields() -> list[tuple[str, dataclasses.Field, type]]:
+    out = []
+    for section, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.append((section, f, hints[f.name]))
+    return out
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """Flat flag -> (section, field) for the fields whose name no other section has."""
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for section, f, _ in _fields():
+        seen.setdefault(f.name, []).append((section, f.name))
+    return {"--" + name.replace("_", "-"): where[0] for name, where in seen.items() if len(where) == 1}
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every field as ``--section.field`` and (when unique) a flat ``--field-name``; the
+    parsed values land in ``args.overrides`` as {(section, field): value}, set only when
+    given."""
+    flat = {where: flag for flag, where in _flat_names().items()}
+    parser.add_argument("--config", default=None, help="a TOML file with [model], [training], "
+                        "[parallel] and [metrics] tables; the options below override it")
+    for section, f, typ in _fields():
+        group = next((g for g in parser._action_groups if g.title == section), None) or \
+            parser.add_argument_group(section)
+        names = [f"--{section}.{f.name}"]
+        if (section, f.name) in flat:
+            names.append(flat[(section, f.name)])
+        kind = _parse_bool if typ is bool else typ
+        extra: dict[str, Any] = {}
+        if typ is bool:
+            extra["nargs"] = "?"
+            extra["const"] = True
+        group.add_argument(*names, dest=f"override:{section}.{f.name}", type=kind,
+                           default=argparse.SUPPRESS, choices=f.metadata.get("choices"),
+                           help=f"{f.metadata['help']} (default: {f.default!r})", **extra)
+
+
+def overrides_of(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    out = {}
+    for key, value in vars(args).items():
+        if key.startswith("override:"):
+            section, name = key[len("override:"):].split(".", 1)
+            out[(section, name)] = value
+    return out
+
+
+def load(path: str | None, overrides: dict[tuple[str, str], Any] | None = None) -> TrainConfig:
+    """The config from ``path`` (or the defaults), with ``overrides`` applied; every key and
+    type checked."""
+    cfg = TrainConfig()
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"[autosp:train] config file {path!r} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"[autosp:train] config file {path!r} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if section not in SECTIONS or not isinstance(table, dict):
+                raise ConfigError(f"[autosp:train] {path}: found [{section}]; expected one of the "
+                                  f"tables {sorted(SECTIONS)}")
+            for name, value in table.items():
+                _set(cfg, section, name, value, f"{path}: {section}.{name}")
+    for (section, name), value in (overrides or {}).items():
+        _set(cfg, section, name, value, f"--{section}.{name}")
+    return cfg
+
+
+def _set(cfg: TrainConfig, section: str, name: str, value: Any, where: str) -> None:
+    sec = getattr(cfg, section)
+    hints = get_type_hints(type(sec))
+    if name not in hints:
+        raise ConfigError(f"[autosp:train] {where}: no such key; [{section}] has "
+                          f"{sorted(hints)}")
+    typ = hints[name]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"[autosp:train] {where}: found {value!r} ({type(value).__name__}); "
+                          f"expected {typ.__name__}")
+    choices = next(f.metadata.get("choices") for f in dataclasses.fields(sec) if f.name == name)
+    if choices and value not in choices:
+        raise ConfigError(f"[autosp:train] {where}: found {value!r}; expected one of {list(choices)}")
+    setattr(sec, name, value)
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The config as TOML (every field, defaults included): what the run used."""
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            v = getattr(getattr(cfg, section), f.name)
+            text = ("true" if v else "false") if isinstance(v, bool) else \
+                json.dumps(v) if isinstance(v, str) else repr(v)
+            lines.append(f"{f.name} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save(cfg: TrainConfig, folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.toml")
+    with open(path, "w") as fh:
+        fh.write(to_toml(cfg))
+    return path

@@ -1,0 +1,160 @@
+"""The training loop ``autosp train`` runs on every rank (under torchrun).
+
+Each rank builds the same model from the seed, compiles it with ``autosp.compile`` on a
+("dp", "sp") mesh (and shards it with ``autosp.fully_shard`` when asked), and trains it with
+AdamW, warmup + cosine, gradient accumulation and global-norm clipping. Rank 0 prints a
+progress line and writes the metrics (autosp.train.metrics).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from autosp.train import config as config_mod
+from autosp.train.config import TrainConfig
+from autosp.train.data import synthetic_batch
+from autosp.train.metrics import MetricsLog, StepTimer, peak_memory_bytes, progress_line
+from autosp.train.model import build_model
+from autosp.train.schedule import warmup_cosine
+
+
+def use_cuda(device: str) -> bool:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("autosp train: parallel.device = cuda but CUDA is not available")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def run(cfg: TrainConfig) -> int:
+    """Train on this rank; returns the exit status."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    sp_size = cfg.parallel.sp or world_size
+    if world_size % sp_size != 0:
+        raise SystemExit(f"autosp train: parallel.sp = {sp_size} must divide the number of "
+                         f"processes {world_size}")
+    if use_cuda(cfg.parallel.device):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    try:
+        return _loop(cfg, rank, world_size, sp_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _micro_batch(cfg: TrainConfig, vocab: int, step: int, micro: int, dp_rank: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    t = cfg.training
+    ids, labels = synthetic_batch(vocab, t.batch_size, t.seq_len, t.seed,
+                                  step * t.grad_accum + micro, dp_rank)
+    return ids.to(device), labels.to(device)
+
+
+def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: torch.device) -> int:
+    import autosp
+
+    t = cfg.training
+    dp_size = world_size // sp_size
+    mesh = autosp.init_mesh(sp_size, dp_size=dp_size)
+    dp_rank = mesh.get_local_rank("dp")
+    model, vocab = build_model(cfg.model, t.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    bf16 = cfg.model.dtype == "bfloat16"
+    model = model.to(device)
+    if cfg.parallel.fsdp:
+        mp = autosp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else None
+        autosp.fully_shard(model, mesh, mp_policy=mp)
+    elif bf16:
+        model = model.to(torch.bfloat16)
+    compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=t.remat, backend=t.backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
+                              min_lr_ratio=t.min_lr_ratio)
+    log = None
+    if rank == 0:
+        print(f"autosp train: world {world_size} = dp {dp_size} x sp {sp_size}, "
+              f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
+              f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
+              f"{t.backend}, remat {t.remat}, device {device.type}", flush=True)
+        print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
+        config_mod.save(cfg, cfg.metrics.out_dir)
+        log = MetricsLog(cfg.metrics.out_dir, tensorboard=cfg.metrics.tensorboard)
+
+    timer = StepTimer(device)
+    tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dp_size
+    first_loss: float | None = None
+    status = 0
+    for step in range(t.steps):
+        timer.start()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=device)
+        for micro in range(t.grad_accum):
+            loss = compiled(*_micro_batch(cfg, vocab, step, micro, dp_rank, device))
+            (loss / t.grad_accum).backward()
+            step_loss += loss.detach().float() / t.grad_accum
+            if first_loss is None:
+                first_loss = loss.detach().float().item()
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        # Every rank of an SP group holds the same loss: the mean over all ranks is the mean
+        # over the data-parallel groups. The peak memory reported is the largest rank's.
+        total = step_loss.clone()
+        dist.all_reduce(total)
+        peak = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        seconds = timer.stop()
+        mean_loss = total.item() / world_size
+        if not math.isfinite(mean_loss):
+            if rank == 0:
+                print(f"autosp train: loss is not finite at step {step}", file=sys.stderr)
+            status = 1
+            break
+        if log is not None and (step % cfg.metrics.log_every == 0 or step == t.steps - 1):
+            gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            rec = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(gn),
+                   "tokens": tokens_per_step, "step_ms": seconds * 1e3,
+                   "tokens_per_s": tokens_per_step / seconds,
+                   "tokens_per_s_per_device": tokens_per_step / seconds / world_size,
+                   "peak_mem_bytes": int(peak.item()), "compiling": step == 0}
+            log.write(rec)
+            print(progress_line(rec, t.steps) + ("  (includes compilation)" if step == 0 else ""),
+                  flush=True)
+    if log is not None:
+        log.close()
+    if t.check and status == 0:
+        if rank == 0 and first_loss is not None:
+            status = _check_first_step(cfg, first_loss, dp_rank)
+        # Rank 0 may fail the check; every rank exits with its status.
+        flag = torch.tensor([status], device=device)
+        dist.broadcast(flag, src=0)
+        status = int(flag.item())
+    return status
+
+
+def _check_first_step(cfg: TrainConfig, sp_loss: float, dp_rank: int) -> int:
+    """The first micro-batch's loss against the plain model on one device (CPU, fp32)."""
+    t = cfg.training
+    model, vocab = build_model(cfg.model, t.seed)
+    ids, labels = _micro_batch(cfg, vocab, 0, 0, dp_rank, torch.device("cpu"))
+    with torch.no_grad():
+        ref_loss = model(ids, labels).item()
+    diff = abs(sp_loss - ref_loss)
+    ok = diff <= t.check_atol
+    print(f"check: first-step loss sp {sp_loss:.8f} single-device {ref_loss:.8f} "
+          f"|diff| {diff:.3e} {'<=' if ok else '>'} {t.check_atol:.0e}: "
+          f"{'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1

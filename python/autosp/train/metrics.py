@@ -1,0 +1,107 @@
+"""What a training run reports: a line per logged step on rank 0, ``metrics.jsonl`` in the
+run's folder (always), and TensorBoard events when tensorboard is installed.
+
+Every record holds ``step``, ``loss`` (mean over data-parallel groups), ``lr``,
+``grad_norm`` (before clipping), ``tokens`` (trained this step, all groups), ``step_ms``,
+``tokens_per_s`` and ``tokens_per_s_per_device``, and ``peak_mem_bytes`` (the largest over
+ranks: CUDA's peak allocated memory, or on CPU the process's peak resident set).
+Step times on CUDA are read after ``torch.cuda.synchronize``, so they cover the GPU's
+work, not only the launches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_ms", "tokens_per_s",
+          "tokens_per_s_per_device", "peak_mem_bytes")
+
+
+class StepTimer:
+    """Wall time of a step, the device's queued work included."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        return time.perf_counter() - self.t0
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: CUDA's peak allocated bytes, or the process's peak
+    resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_rate(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
+def progress_line(rec: dict[str, Any], steps: int) -> str:
+    return (f"step {rec['step']:4d}/{steps}  loss {rec['loss']:.6f}  lr {rec['lr']:.2e}  "
+            f"grad_norm {rec['grad_norm']:.3f}  {_human_rate(rec['tokens_per_s'])} tok/s "
+            f"({_human_rate(rec['tokens_per_s_per_device'])}/device)  "
+            f"time {rec['step_ms']:.1f} ms  peak {_human_bytes(rec['peak_mem_bytes'])}")
+
+
+class MetricsLog:
+    """Rank 0's metrics: ``<folder>/metrics.jsonl`` (appended, one JSON object per logged
+    step) and TensorBoard events in ``<folder>/tensorboard`` when asked and installed."""
+
+    def __init__(self, folder: str, *, tensorboard: bool) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, "metrics.jsonl")
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: JSONL only
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(os.path.join(folder, "tensorboard"))
+
+    def write(self, rec: dict[str, Any]) -> None:
+        missing = [f for f in FIELDS if f not in rec]
+        if missing:
+            raise AssertionError(f"metrics record without {missing}")
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

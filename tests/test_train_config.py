@@ -1,0 +1,122 @@
+"""``autosp train``'s configuration, schedule, metrics and model loading, in one process
+(the multi-rank runs are in test_cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from autosp import cli
+from autosp.train import config as C
+from autosp.train.metrics import FIELDS, MetricsLog
+from autosp.train.model import build_model
+from autosp.train.schedule import lr_factor, warmup_cosine
+
+
+def _parse(argv: list[str]) -> C.TrainConfig:
+    p = argparse.ArgumentParser()
+    C.add_arguments(p)
+    a = p.parse_args(argv)
+    return C.load(a.config, C.overrides_of(a))
+
+
+def test_file_then_flags_dotted_and_flat(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('[training]\nseq_len = 1024\nlr = 1\nsteps = 7\n[parallel]\nsp = 4\nfsdp = true\n')
+    cfg = _parse(["--config", str(f), "--training.seq_len", "131072", "--steps", "9",
+                  "--fsdp", "false", "--check"])
+    assert cfg.training.seq_len == 131072          # the flag overrides the file
+    assert cfg.training.steps == 9                 # flat flag
+    assert cfg.training.lr == 1.0 and isinstance(cfg.training.lr, float)  # TOML int for a float
+    assert cfg.parallel.sp == 4                    # from the file
+    assert cfg.parallel.fsdp is False and cfg.training.check is True
+    assert cfg.model == C.ModelConfig()            # untouched: defaults
+
+
+def test_saved_config_reloads_equal(tmp_path: Path) -> None:
+    cfg = _parse(["--seq-len", "64", "--hf-config", 'a "quoted" \\ path', "--dtype", "bfloat16"])
+    path = C.save(cfg, str(tmp_path / "out"))
+    assert C.load(path) == cfg
+
+
+@pytest.mark.parametrize("text, key, expected", [
+    ("[trainig]\nsteps = 1\n", "[trainig]", "expected one of the tables"),
+    ("[training]\nstep = 1\n", "training.step", "no such key"),
+    ("[training]\nsteps = 1.5\n", "training.steps", "expected int"),
+    ("[training]\nsteps = true\n", "training.steps", "expected int"),
+    ("[training]\nremat = \"fast\"\n", "training.remat", "expected one of"),
+    ("[training\n", "not valid TOML", ""),
+])
+def test_config_errors_name_the_key(tmp_path: Path, text: str, key: str, expected: str) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(C.ConfigError) as info:
+        C.load(str(f))
+    assert key in str(info.value) and expected in str(info.value), str(info.value)
+
+
+def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: a value of the wrong type for a flag
+        cli.main(["train", "--training.seq_len", "long"])
+
+
+def test_warmup_cosine() -> None:
+    steps, warmup, floor = 10, 3, 0.1
+    f = [lr_factor(t, steps, warmup, floor) for t in range(steps)]
+    assert f[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert f[3] == pytest.approx(1.0) and f[-1] == pytest.approx(floor)
+    assert all(a >= b for a, b in zip(f[3:], f[4:]))  # decreasing after warmup
+    assert f[6] == pytest.approx(floor + (1 - floor) * 0.5)  # the midpoint of the cosine
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = warmup_cosine(opt, steps=steps, warmup_steps=warmup, min_lr_ratio=floor)
+    seen = []
+    for _ in range(steps):
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([2.0 * x for x in f])
+
+
+def test_metrics_log_writes_every_field(tmp_path: Path) -> None:
+    log = MetricsLog(str(tmp_path), tensorboard=True)
+    rec = {k: 1.0 for k in FIELDS} | {"step": 0}
+    log.write(rec)
+    with pytest.raises(AssertionError, match="grad_norm"):
+        log.write({k: v for k, v in rec.items() if k != "grad_norm"})
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [rec]
+
+
+def test_hf_config_model_is_seeded(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2).save_pretrained(tmp_path)
+    cfg = C.ModelConfig(hf_config=str(tmp_path / "config.json"))
+    a, vocab = build_model(cfg, seed=3)
+    b, _ = build_model(cfg, seed=3)
+    assert vocab == 96
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    ids = torch.randint(0, vocab, (2, 8))
+    loss = a(ids, ids)
+    assert loss.dim() == 0 and math.isfinite(loss.item())
+
+
+@pytest.mark.parametrize("kw, found", [
+    (dict(hf_config="/nonexistent"), "found no config.json"),
+    (dict(hf_config="/a", hf_checkpoint="/b"), "found both"),
+])
+def test_model_errors(kw: dict, found: str) -> None:
+    import autosp
+
+    with pytest.raises(autosp.AutospError, match=found):
+        build_model(C.ModelConfig(**kw), seed=0)
