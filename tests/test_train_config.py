@@ -120,3 +120,18 @@ def test_model_errors(kw: dict, found: str) -> None:
 
     with pytest.raises(autosp.AutospError, match=found):
         build_model(C.ModelConfig(**kw), seed=0)
+
+
+def test_hf_checkpoint_loads_its_weights(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(7)
+    saved = AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path)
+    model, vocab = build_model(C.ModelConfig(hf_checkpoint=str(tmp_path)), seed=0)
+    assert vocab == 96
+    ours = dict(model.model.named_parameters())
+    assert ours.keys() == dict(saved.named_parameters()).keys()
+    assert all(torch.equal(ours[k], p) for k, p in saved.named_parameters())
