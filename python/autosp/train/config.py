@@ -22,8 +22,9 @@ from typing import Any, get_type_hints
 from autosp.errors import AutospError
 
 
-def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _f(default: Any, help: str, choices: tuple | None = None, flat: str | None = None) -> Any:
+    """A field: its default, help, allowed values, and its flat flag when not --<its-name>."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flat": flat})
 
 
 @dataclass
@@ -86,11 +87,22 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str = _f("", "where checkpoints go ('': <metrics.out_dir>/checkpoints)",
+                  flat="--checkpoint-dir")
+    every: int = _f(0, "save every this many steps (0: only at the end and on SIGTERM)",
+                    flat="--checkpoint-every")
+    resume: str = _f("", "continue from a checkpoint: a step-<N> folder, or 'latest' (the newest "
+                         "in dir; a fresh start when there is none)")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else get_type_hints(TrainConfig)[f.name]
@@ -115,8 +127,9 @@ def _flat_names() -> dict[str, tuple[str, str]]:
     """Flat flag -> (section, field) for the fields whose name no other section has."""
     seen: dict[str, list[tuple[str, str]]] = {}
     for section, f, _ in _fields():
-        seen.setdefault(f.name, []).append((section, f.name))
-    return {"--" + name.replace("_", "-"): where[0] for name, where in seen.items() if len(where) == 1}
+        flag = f.metadata.get("flat") or "--" + f.name.replace("_", "-")
+        seen.setdefault(flag, []).append((section, f.name))
+    return {flag: where[0] for flag, where in seen.items() if len(where) == 1}
 
 
 def _parse_bool(text: str) -> bool:
@@ -134,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     given."""
     flat = {where: flag for flag, where in _flat_names().items()}
     parser.add_argument("--config", default=None, help="a TOML file with [model], [training], "
-                        "[parallel] and [metrics] tables; the options below override it")
+                        "[parallel], [metrics] and [checkpoint] tables; the options below "
+                        "override it")
     for section, f, typ in _fields():
         group = next((g for g in parser._action_groups if g.title == section), None) or \
             parser.add_argument_group(section)

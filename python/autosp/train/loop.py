@@ -3,7 +3,13 @@
 Each rank builds the same model from the seed, compiles it with ``autosp.compile`` on a
 ("dp", "sp") mesh (and shards it with ``autosp.fully_shard`` when asked), and trains it with
 AdamW, warmup + cosine, gradient accumulation and global-norm clipping. Rank 0 prints a
-progress line and writes the metrics (autosp.train.metrics).
+progress line and writes the metrics (autosp.train.metrics); checkpoints are saved and
+resumed by autosp.train.checkpoint.
+
+Faults: SIGTERM (a scheduler's preemption) on any rank ends the run on every rank after the
+current step, with a checkpoint, and exit status 0. A collective that fails or times out
+(``parallel.timeout_s``), because another rank died, ends this rank with exit status 1 and a
+message saying so, never a hang.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import signal
 import sys
 
 import torch
 import torch.distributed as dist
 
+from autosp.train import checkpoint as ckpt
 from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
 from autosp.train.data import synthetic_batch
@@ -48,8 +56,40 @@ def run(cfg: TrainConfig) -> int:
                             timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
     try:
         return _loop(cfg, rank, world_size, sp_size, device)
+    except (dist.DistError, RuntimeError) as e:
+        if not _collective_failure(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"autosp train: rank {rank}: a collective failed or timed out "
+              f"(parallel.timeout_s = {cfg.parallel.timeout_s:g}): {first}. Another rank has "
+              "probably stopped (killed, out of memory, or an error it printed); this rank "
+              "stops too.", file=sys.stderr, flush=True)
+        os._exit(1)  # the process group cannot be torn down cleanly without the dead rank
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collective_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return any(k in text for k in ("gloo", "nccl", "connection closed", "connection reset",
+                                   "timed out", "broken pipe"))
+
+
+class _Preemption:
+    """SIGTERM sets a flag; the ranks agree on it at the end of each step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._old)
 
 
 def _micro_batch(cfg: TrainConfig, vocab: int, step: int, micro: int, dp_rank: int,
@@ -64,6 +104,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     import autosp
 
     t = cfg.training
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(cfg.metrics.out_dir, "checkpoints")
+    resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)  # before the model: fail early
     dp_size = world_size // sp_size
     mesh = autosp.init_mesh(sp_size, dp_size=dp_size)
     dp_rank = mesh.get_local_rank("dp")
@@ -81,6 +123,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)
+    start = 0
+    if resume_from is not None:
+        start = ckpt.load(resume_from, model, optimizer, scheduler)
     log = None
     if rank == 0:
         print(f"autosp train: world {world_size} = dp {dp_size} x sp {sp_size}, "
@@ -90,12 +135,15 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)
         log = MetricsLog(cfg.metrics.out_dir, tensorboard=cfg.metrics.tensorboard)
+        if resume_from is not None:
+            print(f"resumed from {resume_from}: {start} steps done", flush=True)
 
     timer = StepTimer(device)
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dp_size
     first_loss: float | None = None
     status = 0
-    for step in range(t.steps):
+    preemption = _Preemption()
+    for step in range(start, t.steps):
         timer.start()
         optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=device)
@@ -112,12 +160,13 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         scheduler.step()
         # Every rank of an SP group holds the same loss: the mean over all ranks is the mean
         # over the data-parallel groups. The peak memory reported is the largest rank's.
-        total = step_loss.clone()
+        # One all-reduce: the loss summed over ranks, and whether any rank was asked to stop.
+        total = torch.stack([step_loss, torch.tensor(float(preemption.requested), device=device)])
         dist.all_reduce(total)
         peak = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         seconds = timer.stop()
-        mean_loss = total.item() / world_size
+        mean_loss = total[0].item() / world_size
         if not math.isfinite(mean_loss):
             if rank == 0:
                 print(f"autosp train: loss is not finite at step {step}", file=sys.stderr)
@@ -129,13 +178,25 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
                    "tokens": tokens_per_step, "step_ms": seconds * 1e3,
                    "tokens_per_s": tokens_per_step / seconds,
                    "tokens_per_s_per_device": tokens_per_step / seconds / world_size,
-                   "peak_mem_bytes": int(peak.item()), "compiling": step == 0}
+                   "peak_mem_bytes": int(peak.item()), "compiling": step == start}
             log.write(rec)
-            print(progress_line(rec, t.steps) + ("  (includes compilation)" if step == 0 else ""),
+            print(progress_line(rec, t.steps) + ("  (includes compilation)" if step == start else ""),
                   flush=True)
+        stop = total[1].item() > 0
+        every = cfg.checkpoint.every
+        if stop or step == t.steps - 1 or (every and (step + 1) % every == 0):
+            saved = ckpt.save(ckpt_dir, model, optimizer, scheduler, step + 1)
+            if rank == 0:
+                print(f"checkpoint: {saved}", flush=True)
+        if stop:
+            if rank == 0:
+                print(f"autosp train: stopped by SIGTERM after step {step} (of {t.steps}); "
+                      f"continue with --resume latest --checkpoint-dir {ckpt_dir}", flush=True)
+            break
+    preemption.restore()
     if log is not None:
         log.close()
-    if t.check and status == 0:
+    if t.check and status == 0 and start == 0:
         if rank == 0 and first_loss is not None:
             status = _check_first_step(cfg, first_loss, dp_rank)
         # Rank 0 may fail the check; every rank exits with its status.
