@@ -79,3 +79,71 @@ class MHANeedWeightsLM(nn.Module):
         shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
         ent = -(w.clamp_min(1e-9).log() * w).sum(-1).mean()  # attention entropy regulariser
         return F.cross_entropy(logits.view(-1, VOCAB), shift_labels.reshape(-1)) + 1e-3 * ent
+
+
+class TorchSeq2SeqLM(nn.Module):
+    """nn.Transformer over the same sequence as source and target (the target causal): the
+    decoder's cross-attention reads the encoder's output, so MultiheadAttention splits its
+    packed in_proj weight into q and kv parts (a path where autosp once lost the weights'
+    gradient sync: wrong in_proj gradients with an exact loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.t = nn.Transformer(HIDDEN, HEADS, num_encoder_layers=1, num_decoder_layers=1,
+                                dim_feedforward=2 * HIDDEN, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        S = input_ids.shape[1]
+        x = self.embed(input_ids)
+        causal = nn.Transformer.generate_square_subsequent_mask(S, device=x.device)
+        h = self.t(x, x, tgt_mask=causal, tgt_is_causal=True)
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), shift_labels.reshape(-1))
+
+
+class LearnedMemoryLM(nn.Module):
+    """Perceiver-style cross-attention: the sequence's queries attend to a learned memory of
+    5 slots (key = value, not the sequence), then causal self-attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.memory = nn.Parameter(torch.randn(5, HIDDEN) / HIDDEN**0.5)
+        self.cross = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True)
+        self.self_attn = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        S = input_ids.shape[1]
+        x = self.embed(input_ids)
+        mem = self.memory.unsqueeze(0).expand(x.shape[0], -1, -1)
+        x = x + self.cross(x, mem, mem, need_weights=False)[0]
+        causal = nn.Transformer.generate_square_subsequent_mask(S, device=x.device)
+        x = x + self.self_attn(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), shift_labels.reshape(-1))
+
+
+class KdimSeqFirstLM(nn.Module):
+    """MultiheadAttention with kdim/vdim (separate q, k and v weights), sequence-first, with
+    query, key and value made and transposed separately, and a float key-padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.pk = nn.Linear(HIDDEN, 16, bias=False)  # a key bias has no gradient (softmax shift)
+        self.pv = nn.Linear(HIDDEN, 24)
+        self.mha = nn.MultiheadAttention(HIDDEN, HEADS, kdim=16, vdim=24)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        q, k, v = x.transpose(0, 1), self.pk(x).transpose(0, 1), self.pv(x).transpose(0, 1)
+        kpm = (1.0 - attention_mask.float()) * -1e4
+        a = self.mha(q, k, v, key_padding_mask=kpm, need_weights=False)[0].transpose(0, 1)
+        per_tok = F.cross_entropy(self.head(x + a).transpose(1, 2), input_ids, reduction="none")
+        m = attention_mask.float()
+        return (per_tok * m).sum() / m.sum()

@@ -91,3 +91,23 @@ def test_need_weights_stays_whole() -> None:
 ])
 def test_aten_names(op: torch._ops.OpOverload, name: str) -> None:
     assert aten_torch_name(op) == name
+
+
+def test_spliced_values_require_grad_like_dynamo() -> None:
+    """make_fx's metadata says nothing requires grad; the bridge places gradient syncs by
+    requires_grad, so the spliced values get it from their inputs. nn.Transformer's decoder
+    cross-attention splits in_proj_weight into q and kv parts: those parts require grad
+    (without it, autosp once gave wrong in_proj gradients with an exact loss)."""
+    torch.manual_seed(0)
+    model = styles_nn.TorchSeq2SeqLM()
+    ids = torch.randint(0, styles_nn.VOCAB, (2, 16))
+    gm, _ = _dynamo_graph(model, ids, ids)
+    assert decompose.decompose_composites(gm) == ["multi_head_attention_forward"] * 3
+    spliced = [n for n in gm.graph.nodes if "autosp_decomposed" in n.meta]
+    splits = [n for n in spliced if n.target is torch.ops.aten.split_with_sizes.default
+              or n.target is torch.ops.aten.split.Tensor]
+    assert splits, "the cross-attention's in_proj split"
+    assert all(t.requires_grad for n in splits for t in n.meta["example_value"])
+    # an integer size computation never requires grad
+    assert not any(isinstance(n.meta["example_value"], torch.Tensor) and n.meta["example_value"].requires_grad
+                   and not n.meta["example_value"].is_floating_point() for n in spliced)

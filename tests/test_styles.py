@@ -49,7 +49,8 @@ STRICT_REFUSED = {
 }
 
 WORLD4 = [s.name for s in styles.LISTED] + ["mamba2-chunked-ssd-hybrid",  # + the gather fallback
-                                           "nn-transformer-encoder"]  # + a decomposed composite
+                                           "nn-transformer-encoder",  # + decomposed composites
+                                           "nn-transformer-seq2seq"]
 
 # Styles whose [S, S] attention mask autosp computes one tile of query rows at a time
 # (autosp.tiled_attention; every style runs with tiles of 3 rows). Strict both ways: a style
@@ -64,6 +65,8 @@ SLOW_W2 = {
     "mamba2-chunked-ssd-hybrid",   # gathered, like nn-mha-need-weights (default)
     "nn-multihead-attention",      # nn-transformer-encoder (both decomposed)
     "nn-transformer-encoder-padded-seq-first",
+    "nn-mha-learned-memory",       # nn-transformer-seq2seq (MHA's split in_proj)
+    "nn-mha-kdim-seq-first",
     "bert-masked-mean-mse",        # bert-masked-mean-ce
     "moe-dense-gates-aux",         # moe-index-add-aux
     "llama-scratch-cos-sin-kv2",   # llama-scratch-cos-sin-mha, sdpa-enable-gqa-kv2

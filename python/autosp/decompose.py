@@ -93,6 +93,21 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list[fx.Node]] | None:
     return gm, [flat[i] for i in at]
 
 
+def _requires_grad(a: fx.Node) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(_example(a)))
+
+
+def _with_grad(v: Any, requires_grad: bool) -> Any:
+    """``v`` (a traced value or a tuple of them) marked as requiring grad, for float
+    tensors, when ``requires_grad``."""
+    if isinstance(v, (tuple, list)):
+        return type(v)(_with_grad(x, requires_grad) for x in v)
+    if (requires_grad and isinstance(v, torch.Tensor) and not v.requires_grad
+            and (v.is_floating_point() or v.is_complex())):
+        return v.detach().requires_grad_(True)
+    return v
+
+
 def _splice(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: list[fx.Node]) -> bool:
     """Replace ``node`` by the traced ops; False (nothing changed) when its users cannot be
     rewired: a tuple result read other than by constant indexes, or an index the
@@ -109,13 +124,20 @@ def _splice(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: l
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, inputs))
     trace = node.meta.get("stack_trace")
+    # make_fx traces below autograd: its metadata says no value requires grad. The bridge
+    # reads requires_grad to place gradient syncs (a replicated weight slice feeding sharded
+    # values needs one), so it is derived as Dynamo would: from the inputs, where the call
+    # itself ran with grad (its result requires grad).
+    grad_on = any(isinstance(t, torch.Tensor) and t.requires_grad
+                  for t in pytree.tree_leaves(_example(node)))
     with gm.graph.inserting_before(node):
         for n in traced.graph.nodes:
             if n.op != "call_function":
                 continue
             new = gm.graph.call_function(n.target, fx.map_arg(n.args, env.__getitem__),
                                          fx.map_arg(n.kwargs, env.__getitem__))
-            new.meta["example_value"] = n.meta.get("val")
+            rg = grad_on and any(_requires_grad(a) for a in new.all_input_nodes)
+            new.meta["example_value"] = _with_grad(n.meta.get("val"), rg)
             if trace:
                 new.meta["stack_trace"] = trace
             new.meta["autosp_decomposed"] = getattr(node.target, "__name__", str(node.target))
