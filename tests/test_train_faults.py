@@ -34,6 +34,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow  # the 4-rank document run (test_documents.py) also resumes, at dp 2
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     """6 steps saving every 3; a second run resumes from step-3 (another folder): its steps 3
     to 5 equal the uninterrupted run's (loss to 1e-6 relative, fp32 on CPU), with the

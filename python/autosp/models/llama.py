@@ -104,14 +104,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q = self.q_proj(x).view(bsz, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )
         out = out.transpose(1, 2).reshape(bsz, seq_len, -1)
         return self.o_proj(out)
@@ -136,14 +138,29 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] boolean: causal, and within one document. Documents are packed one after
+    another; a position that does not follow the previous one by 1 starts a new document
+    (Hugging Face's convention for packed sequences)."""
+    seq_len = position_ids.shape[1]
+    first = position_ids[:, :1] - 1
+    doc = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=position_ids.device).tril()
+    return (same_doc & causal)[:, None]
+
+
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids, labels=None)`` returns the mean next-token loss when
-    labels are given (tokens labelled -100 are ignored), else the logits."""
+    """``forward(input_ids, labels=None, position_ids=None)`` returns the mean next-token
+    loss when labels are given (tokens labelled -100 are ignored), else the logits. With
+    ``position_ids`` (packed documents, each counting from 0) the positions are those and
+    attention stays within each document (``document_mask``)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -164,14 +181,19 @@ class LlamaForCausalLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bsz, seq_len = input_ids.shape
-        position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        mask = None
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        else:
+            mask = document_mask(position_ids)
         cos, sin = self.rotary(position_ids, dtype=self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         logits = self.lm_head(self.norm(x)).float()
         if labels is None:
             return logits

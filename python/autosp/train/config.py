@@ -48,6 +48,16 @@ class ModelConfig:
 
 
 @dataclass
+class DataConfig:
+    source: str = _f("synthetic", "'synthetic' (token sequences with a learnable structure), or a "
+                                  "file or folder of documents: .txt/.md (one document each), "
+                                  ".jsonl, .parquet, a datasets folder")
+    text_field: str = _f("text", "the field holding the text in .jsonl, .parquet and datasets rows")
+    tokenizer: str = _f("bytes", "'bytes' (UTF-8, 257 ids) or a local Hugging Face tokenizer folder")
+    streaming: bool = _f(False, "read the documents as they are needed instead of all at start")
+
+
+@dataclass
 class TrainingConfig:
     seq_len: int = _f(256, "sequence length S (full, per SP group)")
     batch_size: int = _f(2, "sequences per SP group per micro-batch")
@@ -99,6 +109,7 @@ class CheckpointConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -146,8 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parsed values land in ``args.overrides`` as {(section, field): value}, set only when
     given."""
     flat = {where: flag for flag, where in _flat_names().items()}
-    parser.add_argument("--config", default=None, help="a TOML file with [model], [training], "
-                        "[parallel], [metrics] and [checkpoint] tables; the options below "
+    parser.add_argument("--config", default=None, help="a TOML file with [model], [data], "
+                        "[training], [parallel], [metrics] and [checkpoint] tables; the options below "
                         "override it")
     for section, f, typ in _fields():
         group = next((g for g in parser._action_groups if g.title == section), None) or \

@@ -1,8 +1,10 @@
-"""Training batches. ``synthetic_batch``: token sequences with learnable structure, the
-same on every rank of an SP group (they depend on the step and the data-parallel rank only).
+"""Training batches: synthetic token sequences with learnable structure, or packed
+documents (autosp.train.documents); the same on every rank of an SP group.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -25,3 +27,38 @@ def synthetic_batch(
     for i in range(1, seq_len):
         tokens[:, i] = torch.where(follow[:, i], successor[tokens[:, i - 1]], noise[:, i])
     return tokens, tokens.clone()
+
+
+class Batches:
+    """The micro-batches of a run, as the model's positional arguments: ``(input_ids,
+    labels)`` for synthetic data, ``(input_ids, labels, position_ids)`` for packed documents.
+
+    Micro-batch m of data-parallel rank r holds sequences ``(m * dp + r) * B + b`` of the
+    packed stream (b < B): disjoint across dp ranks, and the same on every rank of an SP
+    group (each rank computes it from the same files; autosp's input check compares them
+    across the group at the first step and whenever shapes change). m = step * grad_accum +
+    micro, so a resumed run draws the batches the uninterrupted one would have.
+    """
+
+    def __init__(self, data: Any, seq_len: int, batch_size: int, grad_accum: int, dp_size: int,
+                 seed: int) -> None:
+        self.seq_len, self.batch_size, self.grad_accum = seq_len, batch_size, grad_accum
+        self.dp_size, self.seed = dp_size, seed
+        self.docs = None
+        self.vocab_size = 0  # synthetic: the model's
+        if data.source != "synthetic":
+            from autosp.train.documents import PackedDocuments, iter_texts, load_tokenizer
+
+            tok = load_tokenizer(data.tokenizer)
+            self.vocab_size = tok.vocab_size
+            self.docs = PackedDocuments(lambda: iter_texts(data.source, data.text_field), tok,
+                                        seq_len, data.streaming)
+
+    def micro_batch(self, step: int, micro: int, dp_rank: int, vocab: int) -> tuple[torch.Tensor, ...]:
+        m = step * self.grad_accum + micro
+        if self.docs is None:
+            return synthetic_batch(vocab, self.batch_size, self.seq_len, self.seed, m, dp_rank)
+        first = (m * self.dp_size + dp_rank) * self.batch_size
+        seqs = [self.docs.sequence(first + b) for b in range(self.batch_size)]
+        ids, pos, labels = (torch.stack(x) for x in zip(*seqs))
+        return ids, labels, pos

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from autosp.train import checkpoint as ckpt
 from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
-from autosp.train.data import synthetic_batch
+from autosp.train.data import Batches
 from autosp.train.metrics import MetricsLog, StepTimer, peak_memory_bytes, progress_line
-from autosp.train.model import build_model
+from autosp.train.model import build_model, check_attends_within_documents
 from autosp.train.schedule import warmup_cosine
 
 
@@ -92,14 +92,6 @@ class _Preemption:
         signal.signal(signal.SIGTERM, self._old)
 
 
-def _micro_batch(cfg: TrainConfig, vocab: int, step: int, micro: int, dp_rank: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    t = cfg.training
-    ids, labels = synthetic_batch(vocab, t.batch_size, t.seq_len, t.seed,
-                                  step * t.grad_accum + micro, dp_rank)
-    return ids.to(device), labels.to(device)
-
-
 def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: torch.device) -> int:
     import autosp
 
@@ -109,7 +101,10 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     dp_size = world_size // sp_size
     mesh = autosp.init_mesh(sp_size, dp_size=dp_size)
     dp_rank = mesh.get_local_rank("dp")
-    model, vocab = build_model(cfg.model, t.seed)
+    batches = Batches(cfg.data, t.seq_len, t.batch_size, t.grad_accum, dp_size, t.seed)
+    model, vocab = build_model(cfg.model, t.seed, batches.vocab_size)
+    if batches.docs is not None:
+        check_attends_within_documents(model, vocab)
     n_params = sum(p.numel() for p in model.parameters())
     bf16 = cfg.model.dtype == "bfloat16"
     model = model.to(device)
@@ -148,7 +143,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=device)
         for micro in range(t.grad_accum):
-            loss = compiled(*_micro_batch(cfg, vocab, step, micro, dp_rank, device))
+            args = batches.micro_batch(step, micro, dp_rank, vocab)
+            loss = compiled(*(a.to(device) for a in args))
             (loss / t.grad_accum).backward()
             step_loss += loss.detach().float() / t.grad_accum
             if first_loss is None:
@@ -198,7 +194,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         log.close()
     if t.check and status == 0 and start == 0:
         if rank == 0 and first_loss is not None:
-            status = _check_first_step(cfg, first_loss, dp_rank)
+            status = _check_first_step(cfg, batches, first_loss, dp_rank)
         # Rank 0 may fail the check; every rank exits with its status.
         flag = torch.tensor([status], device=device)
         dist.broadcast(flag, src=0)
@@ -206,13 +202,12 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     return status
 
 
-def _check_first_step(cfg: TrainConfig, sp_loss: float, dp_rank: int) -> int:
+def _check_first_step(cfg: TrainConfig, batches: Batches, sp_loss: float, dp_rank: int) -> int:
     """The first micro-batch's loss against the plain model on one device (CPU, fp32)."""
     t = cfg.training
-    model, vocab = build_model(cfg.model, t.seed)
-    ids, labels = _micro_batch(cfg, vocab, 0, 0, dp_rank, torch.device("cpu"))
+    model, vocab = build_model(cfg.model, t.seed, batches.vocab_size)
     with torch.no_grad():
-        ref_loss = model(ids, labels).item()
+        ref_loss = model(*batches.micro_batch(0, 0, dp_rank, vocab)).item()
     diff = abs(sp_loss - ref_loss)
     ok = diff <= t.check_atol
     print(f"check: first-step loss sp {sp_loss:.8f} single-device {ref_loss:.8f} "

@@ -1,8 +1,10 @@
 """The model a run trains: the built-in preset, a Hugging Face architecture from its
 ``config.json`` (random weights), or a local Hugging Face checkpoint folder (its weights).
 
-Every model is called as ``model(input_ids, labels)`` and returns the mean next-token loss
-(labels are the inputs; the model shifts them), which is what ``autosp.compile`` makes exact.
+Every model is called as ``model(input_ids, labels[, position_ids])`` and returns the mean
+next-token loss (labels are the inputs; the model shifts them), which is what
+``autosp.compile`` makes exact. ``position_ids`` of packed documents keep attention within
+each document.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # With position_ids of packed documents (each counting from 0), transformers masks
+        # attention to each document (its packed-sequence mask).
+        return self.model(input_ids=input_ids, labels=labels, position_ids=position_ids,
+                          use_cache=False).loss
 
 
 def _hf_folder(path: str, key: str) -> str:
@@ -36,9 +42,10 @@ def _hf_folder(path: str, key: str) -> str:
     return folder
 
 
-def build_model(cfg: ModelConfig, seed: int) -> tuple[nn.Module, int]:
+def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Module, int]:
     """(model on the CPU in fp32, its vocabulary size). The same ``seed`` gives the same
-    random weights on every rank."""
+    random weights on every rank. ``vocab_size``: the tokenizer's, which the preset takes
+    and a Hugging Face model must hold."""
     torch.manual_seed(seed)
     if cfg.hf_config and cfg.hf_checkpoint:
         raise AutospError("[autosp:train] found both model.hf_config and model.hf_checkpoint; "
@@ -54,10 +61,35 @@ def build_model(cfg: ModelConfig, seed: int) -> tuple[nn.Module, int]:
             folder = _hf_folder(cfg.hf_config, "hf_config")
             config = AutoConfig.from_pretrained(folder, attn_implementation="sdpa")
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if vocab_size > model.config.vocab_size:
+            raise AutospError(f"[autosp:train] data.tokenizer: found {vocab_size} token ids; "
+                              f"expected at most the model's vocab_size {model.config.vocab_size}")
         return HFCausalLM(model), int(model.config.vocab_size)
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+    config = LlamaConfig(vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size, num_layers=cfg.layers,
                          num_heads=cfg.heads, num_kv_heads=cfg.kv_heads or cfg.heads)
-    return LlamaForCausalLM(config), cfg.vocab_size
+    return LlamaForCausalLM(config), config.vocab_size
+
+
+def check_attends_within_documents(model: nn.Module, vocab_size: int) -> None:
+    """Packed documents need a model that keeps attention within each document when given
+    their ``position_ids``. Probe it once, on one device: two documents packed in one row,
+    the first changed; the second's loss must not change. Raises AutospError when it does
+    (the model ignores packed positions: it would attend across documents)."""
+    g = torch.Generator().manual_seed(0)
+    first, other, second = (torch.randint(0, vocab_size, (1, 8), generator=g) for _ in range(3))
+    pos = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    labels = torch.cat([torch.full((1, 8), -100), second], dim=1)
+    labels[0, 8] = -100  # the second document's first token is nobody's target
+    with torch.no_grad():
+        a = model(torch.cat([first, second], 1), labels, pos)
+        b = model(torch.cat([other, second], 1), labels, pos)
+    if not torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6):
+        raise AutospError(
+            f"[autosp:train] data.source: found a model ({type(getattr(model, 'model', model)).__name__}) "
+            "whose loss on a packed document changes with the document before it "
+            f"({a.item():.6f} vs {b.item():.6f}); expected attention to stay within each document "
+            "given position_ids that restart at 0. This model ignores packed positions; "
+            "packing would train across document boundaries.")
