@@ -1,26 +1,16 @@
-"""A small generated corpus of documents and a BPE tokenizer trained on it, for the tests of
-``autosp train``'s data path (no download). The documents follow a simple grammar, so a
-model's loss falls quickly; their lengths vary from a few tokens to several sequences."""
+"""The built-in generated corpus (autosp.train.sample_corpus) written as files (.txt and
+.jsonl), and a BPE tokenizer trained on it, for the tests of ``autosp train``'s data path (no
+download)."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-_SUBJECTS = ["the cat", "a dog", "the old sailor", "my sister", "the river", "a small bird"]
-_VERBS = ["sees", "follows", "remembers", "paints", "carries", "watches"]
-_OBJECTS = ["the moon", "a red boat", "the long road", "an apple", "the quiet town", "a letter"]
-
+from autosp.train import sample_corpus
 
 def documents(n: int = 40, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for i in range(n):
-        k = rng.choice([1, 2, 3, 6, 12, 25])
-        docs.append(f"Story {i}. " + " ".join(
-            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(k)))
-    return docs
+    return list(sample_corpus.documents(n, seed))
 
 
 def write_corpus(folder: Path, n: int = 40, seed: int = 0) -> Path:

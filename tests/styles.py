@@ -913,6 +913,8 @@ EXTRA: list[Style] = [
     Style("nn-transformer-seq2seq", lambda: styles_nn.TorchSeq2SeqLM(), ids_labels),
     Style("nn-mha-learned-memory", lambda: styles_nn.LearnedMemoryLM(), ids_labels),
     Style("nn-mha-kdim-seq-first", lambda: styles_nn.KdimSeqFirstLM(), bert_inputs),
+    Style("packed-docs-llama", styles_nn.packed_llama, styles_nn.packed_position_inputs),
+    Style("packed-docs-hf-qwen2", lambda: styles_nn.PackedHFQwen2(), styles_nn.packed_position_inputs),
     Style("mamba2-chunked-ssd-hybrid", lambda: MambaHybridLM(), ids_labels, gathers=True),
     Style("causal-conv1d-mixer", lambda: CausalConvLM(), ids_labels),
     Style("conv1d-same-dilated", lambda: SameConvLM(), ids_labels),

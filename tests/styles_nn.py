@@ -147,3 +147,48 @@ class KdimSeqFirstLM(nn.Module):
         per_tok = F.cross_entropy(self.head(x + a).transpose(1, 2), input_ids, reduction="none")
         m = attention_mask.float()
         return (per_tok * m).sum() / m.sum()
+
+
+# ======================================================================================
+# Packed documents as autosp train feeds them: position_ids that restart at 0 per document.
+
+
+def packed_position_inputs(seed: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """(ids, labels, position_ids): 3 documents per row at random cuts (one crossing a
+    rank's chunk boundary, almost surely), labels -100 at each document's first token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=g)
+    pos = torch.empty(2, seq_len, dtype=torch.long)
+    for b in range(2):
+        cuts = sorted(torch.randperm(seq_len - 1, generator=g)[:2].add(1).tolist())
+        start = 0
+        for c in cuts + [seq_len]:
+            pos[b, start:c] = torch.arange(c - start)
+            start = c
+    labels = ids.masked_fill(pos == 0, -100)
+    return ids, labels, pos
+
+
+def packed_llama() -> nn.Module:
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=1,
+                                        num_heads=HEADS, num_kv_heads=2))
+
+
+class PackedHFQwen2(nn.Module):
+    """A Hugging Face Qwen2 given packed position_ids (transformers' packed-sequence mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=HIDDEN,
+                                   intermediate_size=2 * HIDDEN, num_hidden_layers=1,
+                                   num_attention_heads=HEADS, num_key_value_heads=2,
+                                   attn_implementation="sdpa")
+        self.m = AutoModelForCausalLM.from_config(cfg)
+
+    def forward(self, input_ids, labels, position_ids):
+        return self.m(input_ids=input_ids, labels=labels, position_ids=position_ids,
+                      use_cache=False).loss

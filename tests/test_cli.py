@@ -40,12 +40,13 @@ def _hf_toml(tmp_path: Path) -> list[str]:
     return ["--config", str(f)]
 
 
-# The README's flat flags on the built-in Llama; and a TOML file with a Hugging Face model,
-# sharded (fully_shard), two micro-batches accumulated and a warmup, overridden by flags.
+# The README's flat flags on the built-in Llama and the built-in sample stories (packed
+# documents); and a TOML file with a Hugging Face model on synthetic data, sharded
+# (fully_shard), two micro-batches accumulated and a warmup, overridden by flags.
 @pytest.mark.parametrize("variant", ["flags", "hf-toml-fsdp"])
 def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
     extra = _hf_toml(tmp_path) if variant == "hf-toml-fsdp" else [
-        "--vocab-size", "128", "--hidden-size", "64", "--layers", "2", "--heads", "4",
+        "--source", "sample", "--hidden-size", "64", "--layers", "2", "--heads", "4",
         "--kv-heads", "2"]
     out = tmp_path / "run"
     cmd = [

@@ -56,7 +56,7 @@ WORLD4 = [s.name for s in styles.LISTED] + ["mamba2-chunked-ssd-hybrid",  # + th
 # (autosp.tiled_attention; every style runs with tiles of 3 rows). Strict both ways: a style
 # listed whose mask is no longer tiled fails, and so does one tiled without being listed.
 TILED_MASKS = {"llama-scratch-complex-rope", "llama-scratch-cos-sin-mha", "llama-scratch-cos-sin-kv2",
-               "padded-causal-4d-mask"}
+               "padded-causal-4d-mask", "packed-docs-llama", "packed-docs-hf-qwen2"}
 
 # Styles at world 2 that run only with -m slow (test_style_exact_world2_more): a second
 # variant of a form the default set already covers, or (the SSD hybrid, about 30 s) slow to
@@ -67,6 +67,7 @@ SLOW_W2 = {
     "nn-transformer-encoder-padded-seq-first",
     "nn-mha-learned-memory",       # nn-transformer-seq2seq (MHA's split in_proj)
     "nn-mha-kdim-seq-first",
+    "packed-docs-llama",           # packed-docs-hf-qwen2
     "bert-masked-mean-mse",        # bert-masked-mean-ce
     "moe-dense-gates-aux",         # moe-index-add-aux
     "llama-scratch-cos-sin-kv2",   # llama-scratch-cos-sin-mha, sdpa-enable-gqa-kv2

@@ -49,9 +49,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = _f("synthetic", "'synthetic' (token sequences with a learnable structure), or a "
-                                  "file or folder of documents: .txt/.md (one document each), "
-                                  ".jsonl, .parquet, a datasets folder")
+    source: str = _f("synthetic", "'synthetic' (token sequences with a learnable structure), "
+                                  "'sample' (built-in generated stories, packed like documents), "
+                                  "or a file or folder of documents: .txt/.md (one document "
+                                  "each), .jsonl, .parquet, a datasets folder")
     text_field: str = _f("text", "the field holding the text in .jsonl, .parquet and datasets rows")
     tokenizer: str = _f("bytes", "'bytes' (UTF-8, 257 ids) or a local Hugging Face tokenizer folder")
     streaming: bool = _f(False, "read the documents as they are needed instead of all at start")

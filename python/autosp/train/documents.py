@@ -1,6 +1,7 @@
 """Documents from local files, tokenised and packed into sequences of S tokens.
 
-Sources (``data.source``, a file or a folder, read in sorted path order):
+Sources (``data.source``: ``sample``, the built-in generated stories, or a file or a folder,
+read in sorted path order):
   - ``.txt`` / ``.md``: each file is one document;
   - ``.jsonl``: one document per line, the string in ``data.text_field``;
   - ``.parquet``: the ``data.text_field`` column (needs pyarrow);
@@ -92,7 +93,12 @@ def _need(module: str, what: str) -> Any:
 
 
 def iter_texts(source: str, text_field: str) -> Iterator[str]:
-    """Every document of ``source``, in order."""
+    """Every document of ``source``, in order ("sample": the built-in generated stories)."""
+    if source == "sample":
+        from autosp.train.sample_corpus import documents
+
+        yield from documents()
+        return
     for path in _files(source):
         if os.path.isdir(path):
             ds = _need("datasets", "a datasets folder").load_from_disk(path)
