@@ -45,9 +45,9 @@ def _hf_toml(tmp_path: Path) -> list[str]:
 # (fully_shard), two micro-batches accumulated and a warmup, overridden by flags.
 @pytest.mark.parametrize("variant", ["flags", "hf-toml-fsdp"])
 def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
-    extra = _hf_toml(tmp_path) if variant == "hf-toml-fsdp" else [
+    extra = [*_hf_toml(tmp_path), "--predict", "false"] if variant == "hf-toml-fsdp" else [
         "--source", "sample", "--hidden-size", "64", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2"]
+        "--kv-heads", "2", "--intermediate-size", "172"]
     out = tmp_path / "run"
     cmd = [
         *_autosp_command(), "train", *extra,
@@ -77,6 +77,20 @@ def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
     assert all(r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
     if variant == "hf-toml-fsdp":  # warmup 1 step, then cosine to 0.1 x lr at the last step
         assert [r["lr"] for r in records] == pytest.approx([1e-3, 1e-3, 1e-4])
+    else:
+        # The step's model FLOPs, counted on the compiled graphs of both ranks, against the
+        # formula for this Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 172, the
+        # sample stories' 257-token vocabulary): 3 x the forward matmuls (forward + backward)
+        # plus attention (q k^T and p v over the full S x S per layer). The count includes
+        # nothing else that is large; it may differ by attention's backward formula.
+        h, i, v, B, S, L = 64, 172, 257, 2, 32, 2
+        matmul_params = L * (h * h + 2 * h * (h // 2) + h * h + 3 * h * i) + v * h
+        expected = 6 * B * S * matmul_params + 3 * L * 4 * B * S * S * h
+        assert all(r["model_flops"] == pytest.approx(expected, rel=0.1) for r in records), \
+            (records[0]["model_flops"], expected)
+        assert all(r["mfu"] is None for r in records)  # CPU: no peak to compare with
+        assert re.search(r"^autosp plan: predicted peak [\d.]+ GiB per rank at S = 32", proc.stdout, re.M), output
+        assert re.search(r"^peak memory: measured .* autosp plan predicted", proc.stdout, re.M), output
     # The effective config, saved beside the metrics, is what ran: the flags included.
     saved = load(str(out / "config.toml"))
     assert saved.training.steps == 3 and saved.parallel.sp == 2 and saved.training.check

@@ -211,7 +211,7 @@ def test_train_hf_model_on_documents_four_ranks(tmp_path: Path) -> None:
     base = [*_autosp_command(), "train", "--nproc", "4", "--sp", "2", "--hf-config",
             str(tmp_path / "qwen2"), "--source", str(tmp_path / "corpus"), "--tokenizer",
             str(tmp_path / "tok"), "--seq-len", "64", "--batch-size", "2", "--steps", "30",
-            "--lr", "3e-3", "--warmup-steps", "3", "--backend", "aot_eager"]
+            "--lr", "3e-3", "--warmup-steps", "3", "--backend", "aot_eager", "--predict", "false"]
 
     def run(out: Path, *extra: str) -> list[dict]:
         proc = subprocess.run([*base, "--out-dir", str(out), *extra], capture_output=True,

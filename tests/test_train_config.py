@@ -135,3 +135,10 @@ def test_hf_checkpoint_loads_its_weights(tmp_path: Path) -> None:
     ours = dict(model.model.named_parameters())
     assert ours.keys() == dict(saved.named_parameters()).keys()
     assert all(torch.equal(ours[k], p) for k, p in saved.named_parameters())
+
+
+def test_peak_tflops() -> None:
+    from autosp.train.metrics import peak_tflops
+
+    assert peak_tflops(torch.device("cpu"), 0.0) is None
+    assert peak_tflops(torch.device("cpu"), 123.0) == 123.0

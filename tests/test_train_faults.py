@@ -18,7 +18,7 @@ from test_cli import _autosp_command
 
 TINY = ["--nproc", "2", "--sp", "2", "--seq-len", "16", "--batch-size", "2", "--hidden-size", "32",
         "--intermediate-size", "64", "--layers", "1", "--heads", "4", "--backend", "aot_eager",
-        "--warmup-steps", "2"]
+        "--warmup-steps", "2", "--predict", "false"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 

@@ -237,6 +237,7 @@ def _graph_report(
         flow_edges=solution.flow_edges,
         layers=layers,
         nodes=node_rows,
+        model_flops=float(sum(f.flops for f in facts)),
     )
 
 

@@ -93,6 +93,9 @@ class GraphRematReport:
     flow_edges: int
     layers: tuple[LayerRemat, ...]
     nodes: tuple[NodeRemat, ...]
+    # FLOPs of the joint graph's forward and backward nodes on this rank, at the traced
+    # sizes, recomputation not included: the model FLOPs of one micro-batch (for MFU).
+    model_flops: float = 0.0
 
     def saved(self) -> list[NodeRemat]:
         return [n for n in self.nodes if n.fate == "saved"]

@@ -95,6 +95,10 @@ class MetricsConfig:
     out_dir: str = _f("runs/autosp", "the run's folder: config.toml, metrics.jsonl, TensorBoard")
     log_every: int = _f(1, "print and record every this many steps")
     tensorboard: bool = _f(True, "also write TensorBoard events (when tensorboard is installed)")
+    peak_tflops: float = _f(0.0, "the device's peak TFLOP/s, for MFU (0: looked up for known "
+                                 "GPUs, bf16 dense; no MFU on CPU)")
+    predict: bool = _f(True, "print autosp plan's predicted peak memory at start (rank 0, a few "
+                             "seconds) and beside the measured peak at the end")
 
 
 @dataclass

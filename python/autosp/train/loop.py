@@ -27,7 +27,10 @@ from autosp.train import checkpoint as ckpt
 from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
 from autosp.train.data import Batches
-from autosp.train.metrics import MetricsLog, StepTimer, peak_memory_bytes, progress_line
+from autosp.remat import RematReport
+from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
+                                  progress_line)
+from autosp.train.predict import predicted_peak
 from autosp.train.model import build_model, check_attends_within_documents
 from autosp.train.schedule import warmup_cosine
 
@@ -114,7 +117,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         autosp.fully_shard(model, mesh, mp_policy=mp)
     elif bf16:
         model = model.to(torch.bfloat16)
-    compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=t.remat, backend=t.backend)
+    flops_report = RematReport()  # the compiled graph's FLOPs, for MFU
+    compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=t.remat, backend=t.backend,
+                              remat_report=flops_report)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)
@@ -122,6 +127,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     if resume_from is not None:
         start = ckpt.load(resume_from, model, optimizer, scheduler)
     log = None
+    predicted = None
     if rank == 0:
         print(f"autosp train: world {world_size} = dp {dp_size} x sp {sp_size}, "
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
@@ -130,14 +136,20 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)
         log = MetricsLog(cfg.metrics.out_dir, tensorboard=cfg.metrics.tensorboard)
+        if cfg.metrics.predict:
+            predicted, line = predicted_peak(cfg, world_size, sp_size, vocab)
+            print(line, flush=True)
         if resume_from is not None:
             print(f"resumed from {resume_from}: {start} steps done", flush=True)
 
     timer = StepTimer(device)
+    peak_device = peak_tflops(device, cfg.metrics.peak_tflops)
+    step_flops = 0.0  # the step's model FLOPs over all ranks, known after the first compile
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dp_size
     first_loss: float | None = None
     status = 0
     preemption = _Preemption()
+    peak = torch.zeros(1, dtype=torch.float64)
     for step in range(start, t.steps):
         timer.start()
         optimizer.zero_grad(set_to_none=True)
@@ -161,6 +173,11 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         dist.all_reduce(total)
         peak = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if not step_flops and flops_report.graphs:
+            flops = torch.tensor([flops_report.graphs[-1].model_flops * t.grad_accum],
+                                 device=device, dtype=torch.float64)
+            dist.all_reduce(flops)
+            step_flops = float(flops.item())
         seconds = timer.stop()
         mean_loss = total[0].item() / world_size
         if not math.isfinite(mean_loss):
@@ -174,7 +191,10 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
                    "tokens": tokens_per_step, "step_ms": seconds * 1e3,
                    "tokens_per_s": tokens_per_step / seconds,
                    "tokens_per_s_per_device": tokens_per_step / seconds / world_size,
-                   "peak_mem_bytes": int(peak.item()), "compiling": step == start}
+                   "peak_mem_bytes": int(peak.item()), "compiling": step == start,
+                   "model_flops": step_flops,
+                   "tflops_per_device": step_flops / seconds / world_size / 1e12}
+            rec["mfu"] = rec["tflops_per_device"] / peak_device if peak_device else None
             log.write(rec)
             print(progress_line(rec, t.steps) + ("  (includes compilation)" if step == start else ""),
                   flush=True)
@@ -192,6 +212,13 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     preemption.restore()
     if log is not None:
         log.close()
+        measured = "CUDA peak allocated" if device.type == "cuda" else "CPU peak resident set"
+        line = f"peak memory: measured {human_bytes(peak.item())} per rank (largest rank, {measured})"
+        if predicted is not None:
+            line += f"; autosp plan predicted {human_bytes(predicted)}"
+            if device.type != "cuda":
+                line += " (device memory; the CPU figure also counts the process itself)"
+        print(line, flush=True)
     if t.check and status == 0 and start == 0:
         if rank == 0 and first_loss is not None:
             status = _check_first_step(cfg, batches, first_loss, dp_rank)

@@ -5,8 +5,13 @@ Every record holds ``step``, ``loss`` (mean over data-parallel groups), ``lr``,
 ``grad_norm`` (before clipping), ``tokens`` (trained this step, all groups), ``step_ms``,
 ``tokens_per_s`` and ``tokens_per_s_per_device``, and ``peak_mem_bytes`` (the largest over
 ranks: CUDA's peak allocated memory, or on CPU the process's peak resident set).
-Step times on CUDA are read after ``torch.cuda.synchronize``, so they cover the GPU's
-work, not only the launches.
+``model_flops`` is the step's model FLOPs over all ranks: the forward and backward nodes of
+the compiled graph, counted by the same formulas the remat solver uses (PyTorch's FLOP
+formulas, attention by its own), recomputation not included; ``tflops_per_device`` divides
+it by the step time and the number of devices, ``mfu`` by the device's peak as well (null
+when the peak is not known: on CPU, or an unlisted GPU without ``metrics.peak_tflops``).
+Step times on CUDA are read after ``torch.cuda.synchronize``, so they cover the GPU's work,
+not only the launches.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import Any
 import torch
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_ms", "tokens_per_s",
-          "tokens_per_s_per_device", "peak_mem_bytes")
+          "tokens_per_s_per_device", "peak_mem_bytes", "model_flops", "tflops_per_device", "mfu")
+
+# Peak dense bf16 TFLOP/s per GPU (SXM parts), for MFU when metrics.peak_tflops is 0.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}
 
 
 class StepTimer:
@@ -54,7 +62,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def _human_bytes(n: float) -> str:
+def peak_tflops(device: torch.device, configured: float) -> float | None:
+    """The peak TFLOP/s MFU is measured against: the configured one, else the table's for
+    this GPU, else None."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}"
@@ -70,7 +91,9 @@ def progress_line(rec: dict[str, Any], steps: int) -> str:
     return (f"step {rec['step']:4d}/{steps}  loss {rec['loss']:.6f}  lr {rec['lr']:.2e}  "
             f"grad_norm {rec['grad_norm']:.3f}  {_human_rate(rec['tokens_per_s'])} tok/s "
             f"({_human_rate(rec['tokens_per_s_per_device'])}/device)  "
-            f"time {rec['step_ms']:.1f} ms  peak {_human_bytes(rec['peak_mem_bytes'])}")
+            f"{rec['tflops_per_device']:.3g} TFLOP/s/device"
+            + (f" (MFU {100 * rec['mfu']:.1f}%)" if rec["mfu"] is not None else "")
+            + f"  time {rec['step_ms']:.1f} ms  peak {human_bytes(rec['peak_mem_bytes'])}")
 
 
 class MetricsLog:
