@@ -42,10 +42,13 @@ def _hf_toml(tmp_path: Path) -> list[str]:
 
 # The README's flat flags on the built-in Llama and the built-in sample stories (packed
 # documents); and a TOML file with a Hugging Face model on synthetic data, sharded
-# (fully_shard), two micro-batches accumulated and a warmup, overridden by flags.
+# (fully_shard), two micro-batches accumulated, a warmup and a remat memory budget of 0.3 MiB
+# (between what recomputing all it may and saving everything save),
+# overridden by flags.
 @pytest.mark.parametrize("variant", ["flags", "hf-toml-fsdp"])
 def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
-    extra = [*_hf_toml(tmp_path), "--predict", "false"] if variant == "hf-toml-fsdp" else [
+    extra = [*_hf_toml(tmp_path), "--predict", "false", "--remat-budget-gib", "0.0003"] \
+        if variant == "hf-toml-fsdp" else [
         "--source", "sample", "--hidden-size", "64", "--layers", "2", "--heads", "4",
         "--kv-heads", "2", "--intermediate-size", "172"]
     out = tmp_path / "run"
@@ -64,6 +67,7 @@ def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
     assert losses[-1] < losses[0], f"loss did not decrease over 3 AdamW steps: {losses}"
     assert re.search(r"^check: first-step loss .*: OK$", proc.stdout, re.M), output
     assert ("sharded over all ranks" in proc.stdout) == (variant == "hf-toml-fsdp"), output
+    assert ("remat budget 0.0003 GiB" in proc.stdout) == (variant == "hf-toml-fsdp"), output
     # The metrics file: one record per step with every field, the printed losses.
     from autosp.train.config import load
     from autosp.train.metrics import FIELDS

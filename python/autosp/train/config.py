@@ -73,6 +73,9 @@ class TrainingConfig:
     backend: str = _f("inductor", "compiler backend of the SP graph", ("inductor", "aot_eager"))
     remat: str = _f("sequence-aware", "activation rematerialisation policy",
                     ("sequence-aware", "default", "none"))
+    remat_budget_gib: float = _f(0.0, "cap the activations saved for backward at this many GiB "
+                                      "per rank (autosp.remat.MemoryBudget; 0: the remat policy "
+                                      "decides)")
     check: bool = _f(False, "at the end, compare the first step's loss with the plain model on one "
                             "device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")

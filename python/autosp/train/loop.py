@@ -27,7 +27,8 @@ from autosp.train import checkpoint as ckpt
 from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
 from autosp.train.data import Batches
-from autosp.remat import RematReport
+from autosp.errors import AutospError
+from autosp.remat import MemoryBudget, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
                                   progress_line)
 from autosp.train.predict import predicted_peak
@@ -59,6 +60,10 @@ def run(cfg: TrainConfig) -> int:
                             timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
     try:
         return _loop(cfg, rank, world_size, sp_size, device)
+    except AutospError as e:  # the model, data or config: said once, without a traceback
+        if rank == 0 or "[autosp:train]" not in str(e):
+            print(f"autosp train: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 1
     except (dist.DistError, RuntimeError) as e:
         if not _collective_failure(e):
             raise
@@ -118,7 +123,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     elif bf16:
         model = model.to(torch.bfloat16)
     flops_report = RematReport()  # the compiled graph's FLOPs, for MFU
-    compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=t.remat, backend=t.backend,
+    remat = MemoryBudget(bytes=int(t.remat_budget_gib * (1 << 30))) if t.remat_budget_gib > 0 \
+        else t.remat
+    compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=t.backend,
                               remat_report=flops_report)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
@@ -132,11 +139,15 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         print(f"autosp train: world {world_size} = dp {dp_size} x sp {sp_size}, "
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
-              f"{t.backend}, remat {t.remat}, device {device.type}", flush=True)
+              f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}, "
+              f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)
         log = MetricsLog(cfg.metrics.out_dir, tensorboard=cfg.metrics.tensorboard)
-        if cfg.metrics.predict:
+        if cfg.metrics.predict and t.remat_budget_gib > 0:
+            print("autosp plan: no prediction for a memory budget (training.remat_budget_gib)",
+                  flush=True)
+        elif cfg.metrics.predict:
             predicted, line = predicted_peak(cfg, world_size, sp_size, vocab)
             print(line, flush=True)
         if resume_from is not None:
