@@ -230,3 +230,17 @@ def test_train_hf_model_on_documents_four_ranks(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [27, 28, 29]
     for a, b in zip(full[27:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)
+
+
+@pytest.mark.parametrize("name, content, found", [
+    ("bad.txt", b"caf\xe9", "bad.txt: found bytes that are not UTF-8"),
+    ("bad.jsonl", b'{"text": "a"}\n{"text": "b"\n', r"bad.jsonl:2: found invalid JSON"),
+    ("num.jsonl", b'{"text": 123}\n', r"num.jsonl:1: found text = 123"),
+    ("str.jsonl", b'"just a string"\n', r"str.jsonl:1: found a str"),
+    ("docs.json", b'["a", "b"]', "found a file of a kind autosp does not read"),
+])
+def test_unreadable_documents_name_the_file_and_line(tmp_path: Path, name: str, content: bytes,
+                                                     found: str) -> None:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(AutospError, match=found):
+        list(iter_texts(str(tmp_path / name), "text"))

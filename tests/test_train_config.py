@@ -142,3 +142,39 @@ def test_peak_tflops() -> None:
 
     assert peak_tflops(torch.device("cpu"), 0.0) is None
     assert peak_tflops(torch.device("cpu"), 123.0) == 123.0
+
+
+@pytest.mark.parametrize("override, found", [
+    ((("training", "grad_accum"), 0), "training.grad_accum: found 0; expected a value >= 1"),
+    ((("training", "min_lr_ratio"), -1.0), "between 0 and 1"),
+    ((("training", "lr"), -1.0), "training.lr: found -1.0; expected a value > 0"),
+    ((("parallel", "timeout_s"), 0.0), "parallel.timeout_s"),
+    ((("metrics", "log_every"), 0), "metrics.log_every"),
+    ((("training", "batch_size"), 0), "training.batch_size"),
+    ((("model", "heads"), 3), "heads dividing hidden_size"),
+])
+def test_values_out_of_range_are_refused(override: tuple, found: str) -> None:
+    with pytest.raises(C.ConfigError, match=found.replace("(", r"\(")):
+        C.load(None, {override[0]: override[1]})
+
+
+def test_config_errors_for_tables_and_unicode(tmp_path: Path) -> None:
+    f = tmp_path / "t.toml"
+    f.write_text("training = 3\n")
+    with pytest.raises(C.ConfigError, match=r"found training = 3; expected a table \[training\]"):
+        C.load(str(f))
+    cfg = C.load(None, {("metrics", "out_dir"): "runs/\U0001f600 ünï"})
+    assert C.load(C.save(cfg, str(tmp_path / "o"))) == cfg
+
+
+def test_resumed_metrics_drop_the_steps_run_again(tmp_path: Path) -> None:
+    rec = {k: 1.0 for k in FIELDS}
+    log = MetricsLog(str(tmp_path), tensorboard=False)
+    for step in range(5):
+        log.write(rec | {"step": step})
+    log.close()
+    log = MetricsLog(str(tmp_path), tensorboard=False, start=3)  # resumed from step-3
+    log.write(rec | {"step": 3})
+    log.close()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]

@@ -82,22 +82,54 @@ def _rank_pids(launcher: subprocess.Popen, out: Path, steps: int = 3) -> list[in
     return ranks
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
-    """SIGTERM to the ranks (as a scheduler preempting the job does): every rank stops after
-    its step, a checkpoint of every step done is saved, exit status 0; it is the one
-    "--resume latest" picks (resuming is test_resume_continues_exactly's)."""
+@pytest.mark.parametrize("to", ["launcher", "ranks"])
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path, to: str) -> None:
+    """SIGTERM to the `autosp train` launcher (it passes it on to the ranks and waits), or to
+    the ranks themselves (as a cluster scheduler does): every rank stops after its step, a
+    checkpoint of every step done is saved, exit status 0, no process left behind; it is the
+    checkpoint "--resume latest" picks. A resume into another model or data layout is refused
+    clearly (resuming exactly is test_resume_continues_exactly's)."""
     out = tmp_path / "run"
     launcher = _start(out)
     ranks = _rank_pids(launcher, out)
-    for pid in ranks:
+    for pid in ([launcher.pid] if to == "launcher" else ranks):
         os.kill(pid, signal.SIGTERM)
     text, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, text
     assert "stopped by SIGTERM" in text, text
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "ranks left running"
     done = len(_records(out))
     assert sorted(os.listdir(out / "checkpoints")) == [f"step-{done}"], text
     assert ckpt.latest(str(out / "checkpoints")) == str(out / "checkpoints" / f"step-{done}")
     assert ckpt.resolve("latest", str(out / "checkpoints")) == ckpt.latest(str(out / "checkpoints"))
+    if to == "ranks":
+        return
+    for extra, found in ((["--grad-accum", "2"], "grad_accum 1 (now 2)"),
+                         (["--hidden-size", "64"], "does not fit this run's model")):
+        proc = subprocess.run([*_autosp_command(), "train", *TINY, "--steps", str(done + 2),
+                               "--out-dir", str(out), "--resume", "latest", *extra],
+                              capture_output=True, text=True, timeout=600, env=ENV)
+        assert proc.returncode != 0 and found in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_loss_does_not_depend_on_how_the_batch_is_split(tmp_path: Path) -> None:
+    """The step's loss is the mean over all its target tokens: two sequences of very
+    different numbers of targets (one mostly empty documents) give the same loss and
+    gradient norm as one micro-batch of 2 or as 2 accumulated micro-batches of 1."""
+    import json as json_
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rows = [{"text": ""}] * 12 + [{"text": "abcdefgh" * 6}]
+    (docs / "d.jsonl").write_text("".join(json_.dumps(r) + "\n" for r in rows))
+    got = []
+    for b, accum in ((2, 1), (1, 2)):
+        out = tmp_path / f"b{b}"
+        _train(out, "--steps", "1", "--source", str(docs), "--nproc", "1", "--sp", "1",
+               "--batch-size", str(b), "--grad-accum", str(accum), "--max-grad-norm", "0")
+        got.append(_records(out)[0])
+    assert got[0]["loss"] == pytest.approx(got[1]["loss"], rel=1e-6), got
+    assert got[0]["grad_norm"] == pytest.approx(got[1]["grad_norm"], rel=1e-5), got
 
 
 def test_latest_ignores_unfinished_checkpoints(tmp_path: Path) -> None:

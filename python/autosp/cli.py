@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -147,7 +148,34 @@ def _relaunch_under_torchrun(cfg: train_config.TrainConfig, args_list: list[str]
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)))
     cmd = torchrun_command(cfg.parallel.nproc, args_list)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    # torchrun runs in its own session, so a Ctrl-C in the terminal reaches this launcher
+    # only; SIGTERM or SIGINT here is passed to the ranks as SIGTERM (they finish the step,
+    # save and exit 0, and so does torchrun), and the launcher waits for them.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:
+        ranks = _children(proc.pid)
+        for pid in ranks or [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux /proc; [] elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(c) for c in fh.read().split()]
+    except OSError:
+        return []
 
 
 if __name__ == "__main__":

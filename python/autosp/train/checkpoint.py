@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from autosp.errors import AutospError
@@ -36,23 +37,24 @@ def latest(folder: str) -> str | None:
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler: Any, step: int) -> dict[str, Any]:
+           scheduler: Any, step: int, layout: dict[str, Any]) -> dict[str, Any]:
     msd, osd = get_state_dict(model, optimizer)
     return {"model": msd, "optim": osd,
-            "train": {"step": step, "scheduler": scheduler.state_dict()}}
+            "train": {"step": step, "scheduler": scheduler.state_dict(), "layout": dict(layout)}}
 
 
 def save(folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-         step: int) -> str:
+         step: int, layout: dict[str, Any]) -> str:
     """Saves the state after ``step`` optimizer steps as ``<folder>/step-<step>``; every rank
-    calls it."""
+    calls it. ``layout``: what decides which data step N draws (dp, batch, accumulation, S,
+    the data), checked on resume."""
     final = os.path.join(folder, f"step-{step}")
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, scheduler, step), checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, scheduler, step, layout), checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -75,11 +77,31 @@ def resolve(resume: str, folder: str) -> str | None:
     return resume
 
 
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-    """Loads ``path`` into the model, optimizer and schedule; returns the steps it had done."""
-    state = _state(model, optimizer, scheduler, 0)
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+         layout: dict[str, Any]) -> int:
+    """Loads ``path`` into the model, optimizer and schedule; returns the steps it had done.
+    Raises AutospError when the checkpoint is another model's, or was written with another
+    data layout (a resumed run draws its batches by step: another layout would train on other
+    data than the uninterrupted run)."""
+    state = _state(model, optimizer, scheduler, 0, layout)
+    try:
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+        text = str(e).strip()
+        found = re.search(r"(Size mismatch[^\n]*|Missing key[^\n]*|Unexpected key[^\n]*)", text)
+        first = (found.group(1) if found else text.splitlines()[0] if text else type(e).__name__)[:300]
+        raise AutospError(f"[autosp:train] checkpoint.resume = {path!r}: found a checkpoint that "
+                          f"does not fit this run's model ({first}); expected one written by "
+                          "autosp train with the same [model]") from None
+    saved = state["train"]["layout"]
+    if saved != layout:
+        diff = ", ".join(f"{k} {saved.get(k)!r} (now {v!r})" for k, v in layout.items()
+                         if saved.get(k) != v)
+        raise AutospError(f"[autosp:train] checkpoint.resume = {path!r}: found a checkpoint written "
+                          f"with {diff}; expected the same data layout, since a resumed run draws "
+                          "the batches of step N as the uninterrupted run would. Resume with "
+                          "those values.")
     scheduler.load_state_dict(state["train"]["scheduler"])
     return int(state["train"]["step"])

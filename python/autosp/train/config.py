@@ -128,6 +128,25 @@ SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else get
                              for f in dataclasses.fields(TrainConfig)}
 
 
+# The allowed range of each number: (lowest, highest), None for no bound; "> 0" fields use a
+# tiny positive lowest. Checked after the file and the flags are applied.
+_POSITIVE = 1e-300
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "model.vocab_size": (1, None), "model.hidden_size": (1, None),
+    "model.intermediate_size": (1, None), "model.layers": (1, None), "model.heads": (1, None),
+    "model.kv_heads": (0, None),
+    "training.seq_len": (1, None), "training.batch_size": (1, None),
+    "training.grad_accum": (1, None), "training.steps": (1, None),
+    "training.lr": (_POSITIVE, None), "training.warmup_steps": (0, None),
+    "training.min_lr_ratio": (0, 1), "training.weight_decay": (0, None),
+    "training.max_grad_norm": (0, None), "training.remat_budget_gib": (0, None),
+    "training.check_atol": (0, None),
+    "parallel.nproc": (1, None), "parallel.sp": (0, None), "parallel.timeout_s": (_POSITIVE, None),
+    "metrics.log_every": (1, None), "metrics.peak_tflops": (0, None),
+    "checkpoint.every": (0, None),
+}
+
+
 class ConfigError(AutospError):
     """A config file or override autosp cannot use: says which key, what was found and what
     was expected."""
@@ -206,13 +225,28 @@ def load(path: str | None, overrides: dict[tuple[str, str], Any] | None = None) 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"[autosp:train] config file {path!r} is not valid TOML: {e}") from None
         for section, table in data.items():
-            if section not in SECTIONS or not isinstance(table, dict):
+            if section not in SECTIONS:
                 raise ConfigError(f"[autosp:train] {path}: found [{section}]; expected one of the "
                                   f"tables {sorted(SECTIONS)}")
+            if not isinstance(table, dict):
+                raise ConfigError(f"[autosp:train] {path}: found {section} = {table!r}; expected a "
+                                  f"table [{section}] of keys")
             for name, value in table.items():
                 _set(cfg, section, name, value, f"{path}: {section}.{name}")
     for (section, name), value in (overrides or {}).items():
         _set(cfg, section, name, value, f"--{section}.{name}")
+    for key, (lo, hi) in RANGES.items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            want = ("> 0" if lo == _POSITIVE else f">= {lo:g}" if hi is None
+                    else f"between {lo:g} and {hi:g}")
+            raise ConfigError(f"[autosp:train] {key}: found {v!r}; expected a value {want}")
+    m = cfg.model
+    if m.hidden_size % m.heads or (m.kv_heads and m.heads % m.kv_heads):
+        raise ConfigError(f"[autosp:train] model.heads = {m.heads}, model.kv_heads = {m.kv_heads}: "
+                          f"expected heads dividing hidden_size ({m.hidden_size}) and kv_heads "
+                          "dividing heads")
     return cfg
 
 
@@ -242,7 +276,7 @@ def to_toml(cfg: TrainConfig) -> str:
         for f in dataclasses.fields(getattr(cfg, section)):
             v = getattr(getattr(cfg, section), f.name)
             text = ("true" if v else "false") if isinstance(v, bool) else \
-                json.dumps(v) if isinstance(v, str) else repr(v)
+                json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v)
             lines.append(f"{f.name} = {text}")
         lines.append("")
     return "\n".join(lines)

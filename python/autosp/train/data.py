@@ -62,3 +62,17 @@ class Batches:
         seqs = [self.docs.sequence(first + b) for b in range(self.batch_size)]
         ids, pos, labels = (torch.stack(x) for x in zip(*seqs))
         return ids, labels, pos
+
+
+def target_count(args: tuple[torch.Tensor, ...]) -> int:
+    """The number of target tokens of a micro-batch: labels after the first position (the
+    model shifts them) that are not -100."""
+    return int((args[1][:, 1:] != -100).sum())
+
+
+def with_one_target(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A micro-batch without targets, given one (row 0, position 1) so that its mean loss is
+    finite; the loop weights it 0. The same on every rank of an SP group."""
+    labels = args[1].clone()
+    labels[0, 1] = args[0][0, 1]
+    return (args[0], labels, *args[2:])

@@ -68,8 +68,15 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(spec)
 
 
+_EXTENSIONS = (".txt", ".md", ".jsonl", ".parquet")
+
+
 def _files(source: str) -> list[str]:
     if os.path.isfile(source):
+        if not source.endswith(_EXTENSIONS):
+            raise AutospError(f"[autosp:train] data.source = {source!r}: found a file of a kind "
+                              f"autosp does not read; expected one of {list(_EXTENSIONS)}, or a "
+                              "folder of them")
         return [source]
     if not os.path.isdir(source):
         raise AutospError(f"[autosp:train] data.source = {source!r}: found no such file or "
@@ -77,7 +84,7 @@ def _files(source: str) -> list[str]:
     if os.path.isfile(os.path.join(source, "dataset_info.json")):
         return [source]  # a datasets folder
     found = sorted(os.path.join(root, f) for root, _, names in os.walk(source) for f in names
-                   if f.endswith((".txt", ".md", ".jsonl", ".parquet")))
+                   if f.endswith(_EXTENSIONS))
     if not found:
         raise AutospError(f"[autosp:train] data.source = {source!r}: found no .txt, .md, .jsonl "
                           "or .parquet file in it")
@@ -108,18 +115,40 @@ def iter_texts(source: str, text_field: str) -> Iterator[str]:
             for batch in pq.ParquetFile(path).iter_batches(columns=[text_field]):
                 yield from batch.column(0).to_pylist()
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        row = json.loads(line)
-                        if text_field not in row:
-                            raise AutospError(f"[autosp:train] {path}:{n}: found keys "
-                                              f"{sorted(row)}; expected data.text_field = "
-                                              f"{text_field!r}")
-                        yield row[text_field]
+            yield from _jsonl_texts(path, text_field)
         else:
-            with open(path, encoding="utf-8") as fh:
-                yield fh.read()
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    yield fh.read()
+            except UnicodeDecodeError as e:
+                raise AutospError(f"[autosp:train] {path}: found bytes that are not UTF-8 ({e}); "
+                                  "expected UTF-8 text") from None
+
+
+def _jsonl_texts(path: str, text_field: str) -> Iterator[str]:
+    def bad(n: int, found: str) -> AutospError:
+        return AutospError(f"[autosp:train] {path}:{n}: found {found}; expected a JSON object "
+                           f"with a string in data.text_field = {text_field!r}")
+
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise bad(n, "bytes that are not UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise bad(n, f"invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise bad(n, f"a {type(row).__name__}")
+            if not isinstance(row.get(text_field), str):
+                found = (f"keys {sorted(row)}" if text_field not in row
+                         else f"{text_field} = {row[text_field]!r}")
+                raise bad(n, found)
+            yield row[text_field]
 
 
 def _token_stream(texts: Callable[[], Iterator[str]], tok: Any) -> Iterator[tuple[int, int]]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from autosp.train import checkpoint as ckpt
 from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
-from autosp.train.data import Batches
+from autosp.train.data import Batches, target_count, with_one_target
 from autosp.errors import AutospError
 from autosp.remat import MemoryBudget, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
@@ -87,23 +87,29 @@ def _collective_failure(e: BaseException) -> bool:
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the ranks agree on it at the end of each step."""
+    """SIGTERM or SIGINT (Ctrl-C under plain torchrun) sets a flag; the ranks agree on it at
+    the end of each step."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._old)
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
 
 def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: torch.device) -> int:
     import autosp
 
     t = cfg.training
+    out = cfg.metrics.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise AutospError(f"[autosp:train] metrics.out_dir = {out!r}: found a file; expected a "
+                          "folder (it is created when missing)")
     ckpt_dir = cfg.checkpoint.dir or os.path.join(cfg.metrics.out_dir, "checkpoints")
     resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)  # before the model: fail early
     dp_size = world_size // sp_size
@@ -130,9 +136,13 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)
+    # What decides the data of step N (checked when resuming).
+    layout = {"dp": dp_size, "batch_size": t.batch_size, "grad_accum": t.grad_accum,
+              "seq_len": t.seq_len, "source": cfg.data.source, "tokenizer": cfg.data.tokenizer,
+              "seed": t.seed}
     start = 0
     if resume_from is not None:
-        start = ckpt.load(resume_from, model, optimizer, scheduler)
+        start = ckpt.load(resume_from, model, optimizer, scheduler, layout)
     log = None
     predicted = None
     if rank == 0:
@@ -143,7 +153,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)
-        log = MetricsLog(cfg.metrics.out_dir, tensorboard=cfg.metrics.tensorboard)
+        log = MetricsLog(cfg.metrics.out_dir, tensorboard=cfg.metrics.tensorboard, start=start)
         if cfg.metrics.predict and t.remat_budget_gib > 0:
             print("autosp plan: no prediction for a memory budget (training.remat_budget_gib)",
                   flush=True)
@@ -164,12 +174,23 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     for step in range(start, t.steps):
         timer.start()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=device)
-        for micro in range(t.grad_accum):
-            args = batches.micro_batch(step, micro, dp_rank, vocab)
-            loss = compiled(*(a.to(device) for a in args))
-            (loss / t.grad_accum).backward()
-            step_loss += loss.detach().float() / t.grad_accum
+        # The step's loss is the mean over every target token of the step (all micro-batches,
+        # all dp groups), whatever the split: each micro-batch's mean loss is weighted by its
+        # share of the targets (x dp, since the gradients are averaged over dp groups).
+        micro_args = [batches.micro_batch(step, m, dp_rank, vocab) for m in range(t.grad_accum)]
+        counts = [target_count(a) for a in micro_args]
+        n_targets = torch.tensor([float(sum(counts))], device=device, dtype=torch.float64)
+        dist.all_reduce(n_targets)
+        n_targets = n_targets.item() / sp_size  # the ranks of an SP group count the same batch
+        if n_targets == 0:
+            raise AutospError(f"[autosp:train] data.source: step {step} holds no target token "
+                              "(its sequences are empty documents); expected text to train on")
+        step_loss = torch.zeros((), device=device, dtype=torch.float64)
+        for args, count in zip(micro_args, counts):
+            # A micro-batch without targets would give a NaN mean; one target, weighted 0.
+            loss = compiled(*(a.to(device) for a in (args if count else with_one_target(args))))
+            (loss * (count * dp_size / n_targets)).backward()
+            step_loss += loss.detach().double() * count
             if first_loss is None:
                 first_loss = loss.detach().float().item()
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
@@ -177,10 +198,11 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
-        # Every rank of an SP group holds the same loss: the mean over all ranks is the mean
-        # over the data-parallel groups. The peak memory reported is the largest rank's.
-        # One all-reduce: the loss summed over ranks, and whether any rank was asked to stop.
-        total = torch.stack([step_loss, torch.tensor(float(preemption.requested), device=device)])
+        # Every rank of an SP group holds the same loss sum. The peak memory reported is the
+        # largest rank's. One all-reduce: the loss summed over ranks, and whether any rank was
+        # asked to stop.
+        total = torch.stack([step_loss, torch.tensor(float(preemption.requested), device=device,
+                                                     dtype=torch.float64)])
         dist.all_reduce(total)
         peak = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -190,7 +212,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
             dist.all_reduce(flops)
             step_flops = float(flops.item())
         seconds = timer.stop()
-        mean_loss = total[0].item() / world_size
+        mean_loss = total[0].item() / sp_size / n_targets
         if not math.isfinite(mean_loss):
             if rank == 0:
                 print(f"autosp train: loss is not finite at step {step}", file=sys.stderr)
@@ -212,7 +234,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         stop = total[1].item() > 0
         every = cfg.checkpoint.every
         if stop or step == t.steps - 1 or (every and (step + 1) % every == 0):
-            saved = ckpt.save(ckpt_dir, model, optimizer, scheduler, step + 1)
+            saved = ckpt.save(ckpt_dir, model, optimizer, scheduler, step + 1, layout)
             if rank == 0:
                 print(f"checkpoint: {saved}", flush=True)
         if stop:
@@ -223,6 +245,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     preemption.restore()
     if log is not None:
         log.close()
+    if log is not None and peak.item() > 0:  # some step ran
         measured = "CUDA peak allocated" if device.type == "cuda" else "CPU peak resident set"
         line = f"peak memory: measured {human_bytes(peak.item())} per rank (largest rank, {measured})"
         if predicted is not None:
@@ -230,6 +253,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
             if device.type != "cuda":
                 line += " (device memory; the CPU figure also counts the process itself)"
         print(line, flush=True)
+    if t.check and start > 0 and rank == 0:
+        print("check: skipped (a resumed run; the check compares the first step of a run)",
+              flush=True)
     if t.check and status == 0 and start == 0:
         if rank == 0 and first_loss is not None:
             status = _check_first_step(cfg, batches, first_loss, dp_rank)
@@ -240,15 +266,25 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     return status
 
 
+# bf16 keeps 8 bits of mantissa: SP and one device sum in other orders, so the bf16 check
+# allows this relative difference (measured: about 1e-3 on the test models).
+BF16_CHECK_RTOL = 1e-2
+
+
 def _check_first_step(cfg: TrainConfig, batches: Batches, sp_loss: float, dp_rank: int) -> int:
-    """The first micro-batch's loss against the plain model on one device (CPU, fp32)."""
+    """The first micro-batch's loss against the plain model on one device (CPU), in the run's
+    dtype: within training.check_atol in fp32, within BF16_CHECK_RTOL relative in bf16."""
     t = cfg.training
     model, vocab = build_model(cfg.model, t.seed, batches.vocab_size)
+    bf16 = cfg.model.dtype == "bfloat16"
+    if bf16:
+        model = model.to(torch.bfloat16)
     with torch.no_grad():
-        ref_loss = model(*batches.micro_batch(0, 0, dp_rank, vocab)).item()
+        ref_loss = model(*batches.micro_batch(0, 0, dp_rank, vocab)).float().item()
     diff = abs(sp_loss - ref_loss)
-    ok = diff <= t.check_atol
-    print(f"check: first-step loss sp {sp_loss:.8f} single-device {ref_loss:.8f} "
-          f"|diff| {diff:.3e} {'<=' if ok else '>'} {t.check_atol:.0e}: "
+    tol = max(t.check_atol, BF16_CHECK_RTOL * abs(ref_loss)) if bf16 else t.check_atol
+    ok = diff <= tol
+    print(f"check: first-step loss sp {sp_loss:.8f} single-device{' (bf16)' if bf16 else ''} "
+          f"{ref_loss:.8f} |diff| {diff:.3e} {'<=' if ok else '>'} {tol:.0e}: "
           f"{'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1

@@ -100,9 +100,16 @@ class MetricsLog:
     """Rank 0's metrics: ``<folder>/metrics.jsonl`` (appended, one JSON object per logged
     step) and TensorBoard events in ``<folder>/tensorboard`` when asked and installed."""
 
-    def __init__(self, folder: str, *, tensorboard: bool) -> None:
+    def __init__(self, folder: str, *, tensorboard: bool, start: int = 0) -> None:
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, "metrics.jsonl")
+        if start > 0 and os.path.exists(self.path):
+            # A resumed run records steps from `start` again: drop the old records of those
+            # steps (written after the checkpoint, before the run stopped).
+            with open(self.path) as fh:
+                kept = [x for x in fh if x.strip() and json.loads(x).get("step", 0) < start]
+            with open(self.path, "w") as fh:
+                fh.writelines(kept)
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
