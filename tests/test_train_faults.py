@@ -160,3 +160,12 @@ def test_a_lost_rank_ends_the_run(tmp_path: Path, how: str) -> None:
     assert "autosp train: rank 0: a collective failed or timed out" in text, text
     # the timeout is 5 s; torchrun then waits up to 30 s for the silent rank before killing it
     assert time.time() - t0 < (15 if how == "kill" else 60), time.time() - t0
+
+
+@pytest.mark.parametrize("extra", [[], pytest.param(["--fsdp"], marks=pytest.mark.slow)],
+                         ids=["pure-bf16", "mixed-fsdp"])
+def test_bf16_runs_and_checks(tmp_path: Path, extra: list[str]) -> None:
+    """bf16 weights (pure), or bf16 compute over fp32 sharded weights: trains, and --check
+    compares with the model in bf16 on one device (1% relative)."""
+    proc = _train(tmp_path, "--steps", "1", "--dtype", "bfloat16", "--check", *extra)
+    assert "check: first-step loss" in proc.stdout and ": OK" in proc.stdout, proc.stdout[-2000:]
