@@ -45,7 +45,7 @@ def _hf_toml(tmp_path: Path) -> list[str]:
 # (fully_shard), two micro-batches accumulated, a warmup and a remat memory budget of 0.3 MiB
 # (between what recomputing all it may and saving everything save),
 # overridden by flags.
-@pytest.mark.parametrize("variant", ["flags", "hf-toml-fsdp"])
+@pytest.mark.parametrize("variant", ["flags", pytest.param("hf-toml-fsdp", marks=pytest.mark.slow)])
 def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
     extra = [*_hf_toml(tmp_path), "--predict", "false", "--remat-budget-gib", "0.0003"] \
         if variant == "hf-toml-fsdp" else [

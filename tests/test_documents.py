@@ -190,6 +190,7 @@ def test_a_model_that_ignores_packed_positions_is_refused() -> None:
         check_attends_within_documents(IgnoresPositions(), 64)
 
 
+@pytest.mark.slow  # 90 s; the default suite keeps the 2-rank runs of test_cli and test_train_faults
 def test_train_hf_model_on_documents_four_ranks(tmp_path: Path) -> None:
     """The issue's run: 4 ranks (dp2 x sp2), a tiny Hugging Face Qwen2 from its config, a
     local corpus (.txt and .jsonl) with a BPE tokenizer trained here, packed documents, 30

@@ -82,7 +82,7 @@ def _rank_pids(launcher: subprocess.Popen, out: Path, steps: int = 3) -> list[in
     return ranks
 
 
-@pytest.mark.parametrize("to", ["launcher", "ranks"])
+@pytest.mark.parametrize("to", ["launcher", pytest.param("ranks", marks=pytest.mark.slow)])
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path, to: str) -> None:
     """SIGTERM to the `autosp train` launcher (it passes it on to the ranks and waits), or to
     the ranks themselves (as a cluster scheduler does): every rank stops after its step, a
@@ -162,7 +162,8 @@ def test_a_lost_rank_ends_the_run(tmp_path: Path, how: str) -> None:
     assert time.time() - t0 < (15 if how == "kill" else 60), time.time() - t0
 
 
-@pytest.mark.parametrize("extra", [[], pytest.param(["--fsdp"], marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["--fsdp"]],
                          ids=["pure-bf16", "mixed-fsdp"])
 def test_bf16_runs_and_checks(tmp_path: Path, extra: list[str]) -> None:
     """bf16 weights (pure), or bf16 compute over fp32 sharded weights: trains, and --check
