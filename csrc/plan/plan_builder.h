@@ -56,6 +56,17 @@ class PlanBuilder {
   void eliminate_dead_nodes();
 
  private:
+  // Tiled loss (SpConfig::tile_loss, loss.cpp): a cross-entropy whose logits come from a
+  // linear through row-wise ops (values between them read by nothing else). `chain`: the
+  // input-graph node ids, the linear first; `regroup`: per chain node, 1 for a reshape keeping
+  // the class dim (a chunk of rows stays [rows, classes] through it: skipped when replayed);
+  // `inputs`: the plan values of the linear's operands (h, weight, bias or -1).
+  struct HeadTile {
+    std::vector<int64_t> chain;
+    std::vector<int64_t> regroup;
+    std::vector<int> inputs;
+  };
+
   const Graph& in_;
   SpConfig cfg_;
   Graph out_;
@@ -223,7 +234,7 @@ class PlanBuilder {
   // (`per_token`) for reduction none, partial for sum, for mean the local sum over the number
   // of valid targets in the group (sp.count_valid).
   void emit_loss_over_tokens(const Node& n, const std::vector<int>& args,
-                             const Placement& per_token);
+                             const Placement& per_token, const std::optional<HeadTile>& tile);
 
   // Attention and the outputs take whole sequences, never a local selection.
   void refuse_local_operands(const Node& n) const;
@@ -263,6 +274,14 @@ class PlanBuilder {
   void emit_mean_partial(const Node& n, std::vector<int> ins);
 
   void emit_cross_entropy(const Node& n);
+
+  // The tile for cross-entropy `n`, or nullopt with the reason recorded in loss_tiling_.
+  std::optional<HeadTile> head_tile(const Node& n);
+  // Copies cross-entropy `n` onto `args` (logits, targets), tiled when `tile` is set.
+  int copy_loss(const Node& n, std::vector<int> args, const Placement& out, Attrs attrs,
+                const std::optional<HeadTile>& tile);
+  std::vector<std::string> loss_tiling_;
+  std::vector<int> uses_;  // input value id -> number of reads (node inputs and outputs)
 
   void emit_sdpa(const Node& n);
 

@@ -41,7 +41,8 @@ SpPlan PlanBuilder::run() {
   }
   eliminate_dead_nodes();
   if (cfg_.bucket_grad_sync) bucket_grad_syncs();
-  return SpPlan{std::move(out_), std::move(place_), std::move(gathered_ops_), std::move(vmap_)};
+  return SpPlan{std::move(out_), std::move(place_), std::move(gathered_ops_),
+                std::move(loss_tiling_), std::move(vmap_)};
 }
 
 std::string PlanBuilder::bucket_of(const std::string& path) {

@@ -16,6 +16,12 @@
 //   sp.repeat_heads(x) {dim, repeats}    repeat_interleave KV heads (GQA, KV heads < P)
 //   sp.count_valid(t) {ignore_index}     global number of targets != ignore_index
 //
+// A cross_entropy node with attribute head_chain (SpConfig::tile_loss) has inputs
+// (-1, targets, h, weight, bias): the loss of linear(h, weight, bias) followed by the input
+// graph nodes listed in head_chain (their origins: the linear, then the row-wise ops to the
+// logits; head_regroup marks with 1 the reshapes among them, which a chunk of rows skips),
+// computed a chunk of rows at a time.
+//
 // Original nodes keep their ids in `origin` and may carry attribute updates the bridge
 // applies: local_dims (output dims whose size arguments become S/P), scale_by_sp,
 // reduction, rewrite_target.
@@ -60,6 +66,13 @@ struct SpConfig {
   // values again, where it is sliced. Exact, but those activations are not split. Each such op
   // is listed in SpPlan::gathered. With false the plan stops at the op (PlanError).
   bool gather_unsupported = false;
+  // Cross-entropy over a projection to the classes (lm_head, then casts, pointwise ops and
+  // reshapes that keep the class dim, then the loss) runs as one tiled op over chunks of this
+  // rank's tokens (the cross_entropy node with attribute head_chain):
+  // the [tokens, classes] logits never exist whole, and the backward recomputes each chunk's
+  // logits. A loss whose logits are read elsewhere (returned by the model) is left as written,
+  // with the reason in SpPlan::loss_tiling.
+  bool tile_loss = false;
 };
 
 struct SpPlan {
@@ -68,6 +81,9 @@ struct SpPlan {
   // The ops whose sharded inputs were gathered (SpConfig::gather_unsupported), in program
   // order: for each, the error the plan would have stopped with (op, source line, reason).
   std::vector<std::string> gathered;
+  // With SpConfig::tile_loss: for each cross-entropy, in program order, "tiled: ..." or
+  // "not tiled: <why>" with its source line.
+  std::vector<std::string> loss_tiling;
   // For each value of the input graph, the plan value later nodes read in its place (-1 for
   // none).
   std::vector<int> value_of_input;

@@ -1,5 +1,5 @@
 // The Ulysses plan builder's op-specific emitters: attention (the all-to-all exchange),
-// cross-entropy, scans and reductions across ranks, shifts and convolution halos.
+// scans and reductions across ranks, shifts and convolution halos (the loss: loss.cpp).
 #include <algorithm>
 #include <numeric>
 #include <set>
@@ -115,75 +115,6 @@ void PlanBuilder::emit_mean_partial(const Node& n, std::vector<int> ins) {
   Attrs divisor{{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}};
   if (count.offset != 0) divisor["divisor_offset"] = count.offset;  // coef * (S + offset)^power
   const int q = emit("div", {sum_out}, divisor, {{val(sum_out), Placement::partial()}}, n.loc)[0];
-  vmap_[static_cast<size_t>(n.outputs[0])] = q;
-}
-
-void PlanBuilder::emit_cross_entropy(const Node& n) {
-  std::vector<int> ins = mapped_inputs(n);
-  for (int& v : ins) {
-    if (v >= 0) v = to_sequence(v, n.loc);  // values split by heads (heads.cpp)
-    if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
-  }
-  const Placement px = placement(ins[0]);
-  const Placement pt = placement(ins[1]);
-  if (px.is_replicate() && pt.is_replicate()) {
-    copy_node(n, ins, {Placement::replicate()}, {});
-    return;
-  }
-  if (ins.size() > 2 && ins[2] >= 0)
-    throw PlanError(kPass, n, "a class-weight tensor", "cross-entropy without class weights",
-                    "Weighted cross-entropy is not supported under sequence parallelism yet.");
-  const Value& x = val(ins[0]);
-  if (px.is_local() && px.dim == 0 && x.rank() == 2 && pt.is_local() && pt.dim == 0 &&
-      val(ins[1]).shape.at(0) == x.shape.at(0)) {
-    // Rows selected on each rank (logits[mask], labels[mask]): per-row losses stay local,
-    // their sum is partial, their mean divides by the valid targets of every rank.
-    emit_loss_over_tokens(n, ins, Placement::local(0));
-    return;
-  }
-  if (px.is_local())
-    throw PlanError(kPass, n,
-                    "logits " + shape_str(x.shape) + " placed " + px.str() +
-                        " (rows selected on each rank) and targets " +
-                        shape_str(val(ins[1]).shape) + " placed " + pt.str(),
-                    "targets selected like the logits",
-                    "Select both with the same positions (torch.where on a mask over "
-                    "activations). A mask built from the labels alone is replicated: compute "
-                    "the loss with reduction='none' and average it with the mask instead.");
-  if (!px.is_shard() || px.dim == 1 || (x.rank() > 1 && px.dim == 0 && x.rank() != 2) ||
-      (x.rank() == 2 && px.dim != 0))
-    throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
-                    "logits sharded along the token dim ([N, C] sharded on N)");
-  const int tdim = px.dim == 0 ? 0 : px.dim - 1;
-  if (pt.is_shard() && !(pt == Placement::shard(tdim, px.inner)))
-    throw PlanError(kPass, n, "targets placed " + pt.str() + " and logits placed " + px.str(),
-                    "targets sharded like the logits' token dim");
-  std::vector<int> args = ins;
-  if (pt.is_replicate()) args[1] = slice(ins[1], tdim, px.inner, n.loc);
-  emit_loss_over_tokens(n, args, Placement::shard(tdim, px.inner));
-}
-
-void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& args,
-                                        const Placement& per_token) {
-  const std::string reduction = n.str_attr("reduction", "mean");
-  if (reduction == "none") {
-    copy_node(n, args, {per_token}, {});
-    return;
-  }
-  if (reduction == "sum") {
-    copy_node(n, args, {Placement::partial()}, {});
-    return;
-  }
-  // mean: local sum over this rank's tokens / the number of valid tokens in the group.
-  const int idx = copy_node(n, args, {Placement::partial()}, {{"reduction", std::string("sum")}});
-  const int ce = out_.nodes[static_cast<size_t>(idx)].outputs[0];
-  Value count_v;
-  count_v.kind = ValueKind::Tensor;
-  count_v.dtype = "i64";
-  const int count =
-      emit("sp.count_valid", {args[1]}, {{"ignore_index", n.int_attr("ignore_index", -100)}},
-           {{count_v, Placement::replicate()}}, n.loc)[0];
-  const int q = emit("div", {ce, count}, {}, {{val(ce), Placement::partial()}}, n.loc)[0];
   vmap_[static_cast<size_t>(n.outputs[0])] = q;
 }
 

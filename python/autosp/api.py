@@ -127,6 +127,11 @@ def _check_outputs(outputs: str) -> None:
                           "rank's chunk of outputs sharded along the sequence.")
 
 
+def _check_tile_loss(tile_loss: Any) -> None:
+    if not isinstance(tile_loss, bool):
+        raise AutospError(f"[autosp:compile] found tile_loss={tile_loss!r}; expected True or False.")
+
+
 def _check_unsupported(unsupported: str) -> None:
     if unsupported not in UNSUPPORTED:
         raise AutospError(f"[autosp:compile] found unsupported={unsupported!r}; expected one of "
@@ -136,17 +141,18 @@ def _check_unsupported(unsupported: str) -> None:
 
 def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
                   remat_report: Any = None, outputs: str = "full",
-                  unsupported: str = "gather") -> SequenceParallelBackend:
+                  unsupported: str = "gather", tile_loss: bool = False) -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
                                    backend=compiler, remat_report=remat_report,
                                    gather_outputs=outputs == "full",
-                                   gather_unsupported=unsupported == "gather")
+                                   gather_unsupported=unsupported == "gather",
+                                   tile_loss=tile_loss)
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", outputs: str = "full",
-            unsupported: str = "gather") -> SequenceParallelBackend:
+            unsupported: str = "gather", tile_loss: bool = False) -> SequenceParallelBackend:
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
     (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`.
@@ -156,7 +162,9 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
     _check_seq_dim(seq_dim)
     _check_outputs(outputs)
     _check_unsupported(unsupported)
-    return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs, unsupported=unsupported)
+    _check_tile_loss(tile_loss)
+    return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs, unsupported=unsupported,
+                         tile_loss=tile_loss)
 
 
 def _logging_functions() -> set:
@@ -333,6 +341,12 @@ class SequenceParallelModule(nn.Module):
         return [reason for rec in self.sp_backend.records for reason in rec.gathered]
 
     @property
+    def loss_tiling(self) -> list[str]:
+        """With ``tile_loss=True``: per cross-entropy of every compiled graph, "tiled: ..." or
+        "not tiled: <why>", with its source line."""
+        return [line for rec in self.sp_backend.records for line in rec.loss_tiling]
+
+    @property
     def decomposed(self) -> list[str]:
         """Composite Torch functions (``multi_head_attention_forward``) taken apart into ATen
         ops and planned op by op (autosp.decompose), by name, over every compiled graph."""
@@ -349,7 +363,8 @@ class SequenceParallelModule(nn.Module):
 def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", average_dp: bool = True,
             remat_report: Any = None, outputs: str = "full",
-            check_inputs: str = "on_change", unsupported: str = "gather") -> SequenceParallelModule:
+            check_inputs: str = "on_change", unsupported: str = "gather",
+            tile_loss: bool = False) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -386,6 +401,14 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     warning names each such op (``AutospGatherWarning``) and the compile record lists them
     (``SequenceParallelModule.gathered``). ``"error"`` stops at the first such op with an
     AutospError instead.
+
+    ``tile_loss``: compute a cross-entropy over a projection to the vocabulary (``lm_head``,
+    then casts, pointwise ops with constant operands and reshapes that keep the vocabulary dim)
+    a chunk of tokens at a time, recomputing each chunk's logits in backward, so that this
+    rank's ``[tokens, vocab]`` logits never exist whole (autosp.tiled_loss). Exact up to the
+    order of the sum over tokens; costs a second forward of the projection. A loss whose
+    logits are also returned or read elsewhere is left as written;
+    ``SequenceParallelModule.loss_tiling`` says, per loss, whether it was tiled and why not.
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
@@ -394,9 +417,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
                           "or an autosp.remat.MemoryBudget.")
     _check_outputs(outputs)
     _check_unsupported(unsupported)
+    _check_tile_loss(tile_loss)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
-    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported)
+    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported,
+                               tile_loss)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     shard.check_not_fsdp2(model)
     if shard.is_sharded(model):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp import collectives, tiled_attention
+from autosp import collectives, tiled_attention, tiled_loss
 from autosp.bridge import BridgeResult
 from autosp.canon import target_name
 from autosp.errors import AutospError, at_node
@@ -114,6 +114,12 @@ class _Replayer:
             # SDPA whose [S, S] mask is replayed per tile of query rows (tiled_attention).
             nn = tiled_attention.emit(self.graph, fxn, cn, self.bridge,
                                       [self.value_node(v) for v in cn.inputs], self.old_to_new)
+            nn.meta = copy.copy(fxn.meta)
+        elif "head_chain" in cn.attrs:
+            # Cross-entropy over lm_head's operands, a chunk of rows at a time (tiled_loss).
+            reduction = cn.attrs.get("reduction", _current_reduction(fxn))
+            ins = [self.value_node(v) if v >= 0 else None for v in cn.inputs]
+            nn = tiled_loss.emit(self.graph, fxn, cn, self.bridge, ins, str(reduction))
             nn.meta = copy.copy(fxn.meta)
         else:
             # Tensor operands are substituted below by path; the rest map to their copies.

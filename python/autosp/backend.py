@@ -48,6 +48,8 @@ class CompileRecord:
     # Composite Torch functions taken apart into ATen ops before the plan (autosp.decompose),
     # by name, in program order.
     decomposed: list[str] = field(default_factory=list)
+    # With tile_loss: per cross-entropy, "tiled: ..." or "not tiled: <why>" (autosp.tiled_loss).
+    loss_tiling: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -107,7 +109,7 @@ class SequenceParallelBackend:
     def __init__(self, *, rank: int, world: int, group: str, seq_dim: int = 1,
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
                  remat_report: Any = None, gather_outputs: bool = True,
-                 gather_unsupported: bool = True) -> None:
+                 gather_unsupported: bool = True, tile_loss: bool = False) -> None:
         if backend not in BACKENDS:
             raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -117,6 +119,7 @@ class SequenceParallelBackend:
         self.fuse_qkv = fuse_qkv
         self.gather_outputs = gather_outputs
         self.gather_unsupported = gather_unsupported
+        self.tile_loss = tile_loss
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
@@ -163,6 +166,7 @@ class SequenceParallelBackend:
                 cfg.fuse_qkv = self.fuse_qkv
                 cfg.gather_outputs = self.gather_outputs
                 cfg.gather_unsupported = self.gather_unsupported
+                cfg.tile_loss = self.tile_loss
                 try:
                     plan = _core.plan_ulysses(bridge.graph, cfg)
                 except _core.PlanError as e:
@@ -172,6 +176,7 @@ class SequenceParallelBackend:
                 rec.stages.append(Stage("placements", _core.print_placements(bridge.graph, plan), 0.0))
                 rec.collective_counts = dict(plan.collective_counts())
                 rec.gathered = list(plan.gathered)
+                rec.loss_tiling = list(plan.loss_tiling)
                 rec.tiled_masks = [str(n.loc) for n in plan.graph.nodes if "mask_tiles" in n.attrs]
                 if rec.gathered:
                     warnings.warn(gather_warning(rec.gathered), AutospGatherWarning, stacklevel=2)

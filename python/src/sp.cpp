@@ -47,12 +47,14 @@ void init_sp(nb::module_& m) {
       .def_rw("fuse_qkv", &SpConfig::fuse_qkv)
       .def_rw("bucket_grad_sync", &SpConfig::bucket_grad_sync)
       .def_rw("gather_outputs", &SpConfig::gather_outputs)
-      .def_rw("gather_unsupported", &SpConfig::gather_unsupported);
+      .def_rw("gather_unsupported", &SpConfig::gather_unsupported)
+      .def_rw("tile_loss", &SpConfig::tile_loss);
 
   nb::class_<SpPlan>(m, "SpPlan")
       .def_ro("graph", &SpPlan::graph)
       .def_ro("placements", &SpPlan::placements)
       .def_ro("gathered", &SpPlan::gathered)
+      .def_ro("loss_tiling", &SpPlan::loss_tiling)
       .def("collective_counts", &SpPlan::collective_counts)
       .def("__str__", &SpPlan::str);
 

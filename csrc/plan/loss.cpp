@@ -1,0 +1,198 @@
+// The Ulysses plan builder's loss emitter: cross-entropy over each rank's tokens, reduced over
+// the group, and its tiled form (SpConfig::tile_loss).
+//
+// Tiled loss: ALST-style, on the user's unchanged model. The logits of a language model's
+// loss are [tokens, vocab]: at 128k tokens per rank and a 128k vocabulary, 64 GiB in fp32.
+// When the loss's logits come from a linear (lm_head) through row-wise ops only (casts such
+// as .float(), pointwise ops with constant operands such as soft-capping, reshapes keeping
+// the class dim) and nothing else reads them, the cross_entropy node takes the linear's
+// operands instead (attribute head_chain) and the apply stage runs linear, those ops and the
+// loss one chunk of rows at a time, recomputing each chunk in backward (tiled_loss.py). Each
+// row's loss is the computation one device does for that row, so the result is the untiled
+// loss up to the order of the sum over rows.
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "plan/plan_builder.h"
+
+namespace autosp::plan_detail {
+
+namespace {
+
+std::string where(const Node& n) {
+  return n.loc.empty() ? "'" + n.op + "'"
+                       : "'" + n.op + "' at " + n.loc.file + ":" + std::to_string(n.loc.line);
+}
+
+}  // namespace
+
+std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
+  if (!cfg_.tile_loss) return std::nullopt;
+  if (uses_.empty()) {
+    uses_.assign(in_.values.size(), 0);
+    for (const Node& m : in_.nodes) {
+      for (int v : m.inputs)
+        if (v >= 0) uses_[static_cast<size_t>(v)] += 1;
+      for (int64_t v : m.ints_attr("refs")) uses_[static_cast<size_t>(v)] += 1;
+    }
+  }
+  auto refuse = [&](const std::string& why) -> std::optional<HeadTile> {
+    loss_tiling_.push_back("not tiled: cross_entropy " + where(ce) + ": " + why);
+    return std::nullopt;
+  };
+  if (ce.inputs.size() > 2 && ce.inputs[2] >= 0) return refuse("it has class weights");
+  const Value& logits = in_.value(ce.inputs[0]);
+  if (logits.rank() != 2 || !logits.shape[1].is_static())
+    return refuse("its logits are " + shape_str(logits.shape) +
+                  ", not [tokens, classes] with a static number of classes");
+  const Dim classes = logits.shape[1];
+  std::vector<int64_t> chain;    // from the loss back to the linear
+  std::vector<int64_t> regroup;  // per chain node: 1 for a reshape (a chunk keeps its rows)
+  int v = ce.inputs[0];
+  for (;;) {
+    const int p = in_.producer(v);
+    if (p < 0) return refuse("its logits are an input of the graph, not computed in it");
+    const Node& m = in_.nodes[static_cast<size_t>(p)];
+    // The projection's own result may be read elsewhere (returned logits): it then stays, and
+    // the loss recomputes it chunk by chunk. A value between it and the loss may not.
+    if (m.op != "linear" && uses_[static_cast<size_t>(v)] != 1)
+      return refuse("the logits made by " + where(m) +
+                    " are read elsewhere too (by another op, or returned by the model)");
+    if (m.op == "linear") {
+      const Value& out = in_.value(m.outputs[0]);
+      if (out.shape.empty() || !(out.shape.back() == classes))
+        return refuse("the projection " + where(m) + " makes " + shape_str(out.shape));
+      chain.push_back(m.id);
+      regroup.push_back(0);
+      break;
+    }
+    const bool one_operand =
+        m.outputs.size() == 1 && !m.inputs.empty() && m.inputs[0] >= 0 &&
+        std::count_if(m.inputs.begin(), m.inputs.end(), [](int i) { return i >= 0; }) == 1;
+    const Value& in = one_operand ? in_.value(m.inputs[0]) : logits;
+    const Value& out = in_.value(m.outputs[0]);
+    const bool elementwise = is_elementwise(m) && in.shape == out.shape;
+    const bool regroups = locality_of(m) == Locality::Reshape && !in.shape.empty() &&
+                          !out.shape.empty() && in.shape.back() == classes &&
+                          out.shape.back() == classes;
+    if (!one_operand || m.has_attr("refs") || writes_into_first_operand(m) ||
+        !(elementwise || regroups))
+      return refuse("the op " + where(m) +
+                    " between the projection and the loss is not a row-wise op of the logits "
+                    "alone (a cast, a pointwise op with constant operands, a reshape keeping "
+                    "the class dim)");
+    chain.push_back(m.id);
+    regroup.push_back(regroups ? 1 : 0);
+    v = m.inputs[0];
+  }
+  std::reverse(chain.begin(), chain.end());
+  std::reverse(regroup.begin(), regroup.end());
+  const Node& linear = in_.nodes[static_cast<size_t>(chain.front())];
+  // The linear's copy in the plan: its operands as the plan placed them (grad syncs included).
+  const int made = mapped(linear.outputs[0]);
+  const int at = made < 0 ? -1 : out_.producer(made);
+  if (at < 0 || out_.nodes[static_cast<size_t>(at)].origin != linear.id)
+    return refuse("the projection " + where(linear) + " was rewritten by the plan");
+  HeadTile tile;
+  tile.chain = std::move(chain);
+  tile.regroup = std::move(regroup);
+  tile.inputs = out_.nodes[static_cast<size_t>(at)].inputs;
+  tile.inputs.resize(3, -1);
+  const bool shared = uses_[static_cast<size_t>(linear.outputs[0])] > 1;
+  loss_tiling_.push_back("tiled: cross_entropy " + where(ce) + " over the projection " +
+                         where(linear) + " (" + std::to_string(tile.chain.size() - 1) +
+                         " row-wise ops between" +
+                         (shared ? "; its logits are also read elsewhere, so they are still made "
+                                   "once, and the loss recomputes them chunk by chunk"
+                                 : "") +
+                         ")");
+  return tile;
+}
+
+int PlanBuilder::copy_loss(const Node& n, std::vector<int> args, const Placement& out, Attrs attrs,
+                           const std::optional<HeadTile>& tile) {
+  if (tile) {
+    args.resize(2);
+    args[0] = -1;  // the logits: never made
+    args.insert(args.end(), tile->inputs.begin(), tile->inputs.end());
+    attrs["head_chain"] = tile->chain;
+    attrs["head_regroup"] = tile->regroup;
+  }
+  return copy_node(n, std::move(args), {out}, attrs);
+}
+
+void PlanBuilder::emit_cross_entropy(const Node& n) {
+  const std::optional<HeadTile> tile = head_tile(n);
+  std::vector<int> ins = mapped_inputs(n);
+  for (int& v : ins) {
+    if (v >= 0) v = to_sequence(v, n.loc);  // values split by heads (heads.cpp)
+    if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
+  }
+  const Placement px = placement(ins[0]);
+  const Placement pt = placement(ins[1]);
+  if (px.is_replicate() && pt.is_replicate()) {
+    copy_loss(n, ins, Placement::replicate(), {}, tile);
+    return;
+  }
+  if (ins.size() > 2 && ins[2] >= 0)
+    throw PlanError(kPass, n, "a class-weight tensor", "cross-entropy without class weights",
+                    "Weighted cross-entropy is not supported under sequence parallelism yet.");
+  const Value& x = val(ins[0]);
+  if (px.is_local() && px.dim == 0 && x.rank() == 2 && pt.is_local() && pt.dim == 0 &&
+      val(ins[1]).shape.at(0) == x.shape.at(0)) {
+    // Rows selected on each rank (logits[mask], labels[mask]): per-row losses stay local,
+    // their sum is partial, their mean divides by the valid targets of every rank.
+    emit_loss_over_tokens(n, ins, Placement::local(0), tile);
+    return;
+  }
+  if (px.is_local())
+    throw PlanError(kPass, n,
+                    "logits " + shape_str(x.shape) + " placed " + px.str() +
+                        " (rows selected on each rank) and targets " +
+                        shape_str(val(ins[1]).shape) + " placed " + pt.str(),
+                    "targets selected like the logits",
+                    "Select both with the same positions (torch.where on a mask over "
+                    "activations). A mask built from the labels alone is replicated: compute "
+                    "the loss with reduction='none' and average it with the mask instead.");
+  if (!px.is_shard() || px.dim == 1 || (x.rank() > 1 && px.dim == 0 && x.rank() != 2) ||
+      (x.rank() == 2 && px.dim != 0))
+    throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
+                    "logits sharded along the token dim ([N, C] sharded on N)");
+  const int tdim = px.dim == 0 ? 0 : px.dim - 1;
+  if (pt.is_shard() && !(pt == Placement::shard(tdim, px.inner)))
+    throw PlanError(kPass, n, "targets placed " + pt.str() + " and logits placed " + px.str(),
+                    "targets sharded like the logits' token dim");
+  std::vector<int> args = ins;
+  if (pt.is_replicate()) args[1] = slice(ins[1], tdim, px.inner, n.loc);
+  emit_loss_over_tokens(n, args, Placement::shard(tdim, px.inner), tile);
+}
+
+void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& args,
+                                        const Placement& per_token,
+                                        const std::optional<HeadTile>& tile) {
+  const std::string reduction = n.str_attr("reduction", "mean");
+  if (reduction == "none") {
+    copy_loss(n, args, per_token, {}, tile);
+    return;
+  }
+  if (reduction == "sum") {
+    copy_loss(n, args, Placement::partial(), {}, tile);
+    return;
+  }
+  // mean: local sum over this rank's tokens / the number of valid tokens in the group.
+  const int idx =
+      copy_loss(n, args, Placement::partial(), {{"reduction", std::string("sum")}}, tile);
+  const int ce = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+  Value count_v;
+  count_v.kind = ValueKind::Tensor;
+  count_v.dtype = "i64";
+  const int count =
+      emit("sp.count_valid", {args[1]}, {{"ignore_index", n.int_attr("ignore_index", -100)}},
+           {{count_v, Placement::replicate()}}, n.loc)[0];
+  const int q = emit("div", {ce, count}, {}, {{val(ce), Placement::partial()}}, n.loc)[0];
+  vmap_[static_cast<size_t>(n.outputs[0])] = q;
+}
+
+}  // namespace autosp::plan_detail

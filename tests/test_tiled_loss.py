@@ -1,0 +1,137 @@
+"""The tiled loss (``autosp.compile(..., tile_loss=True)``, autosp.tiled_loss): cross-entropy
+over lm_head computed a chunk of tokens at a time is exact, on one rank and on two.
+
+Each model of tests/loss_heads.py (and the reference Llama) runs two steps with different
+batches against the same model on one device: the loss within 1e-5 and every gradient
+max|g - g_ref| / max|g_ref| <= 1e-4 (fp32); returned logits equal one device's. Chunks of 5
+rows (``AUTOSP_LOSS_TILE_ROWS``) over 16 or 32 rows per rank, so that there are several
+chunks and a ragged last one. ``loss_tiling`` must say which losses were tiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import loss_heads
+from distributed import assert_grads_close, grads_of, make_batch, run_ranks, tiny_config
+
+SEQ = 16
+TILE_ROWS = "5"
+
+
+def _step(model: torch.nn.Module, fn: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
+    model.zero_grad(set_to_none=True)
+    out = fn(ids, labels)
+    logits, loss = out if isinstance(out, tuple) else (None, out)
+    loss.backward()
+    return loss.item(), grads_of(model), None if logits is None else logits.detach()
+
+
+def _worker(rank: int, world: int, names: list[str], llama: bool) -> list[dict[str, Any]]:
+    import autosp
+    from autosp.models.llama import LlamaForCausalLM
+
+    os.environ["AUTOSP_LOSS_TILE_ROWS"] = TILE_ROWS
+    mesh = autosp.init_mesh(world)
+    builds = [(m.name, m.build) for m in loss_heads.MODELS if m.name in names]
+    if llama:
+        def build_llama() -> torch.nn.Module:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return LlamaForCausalLM(tiny_config(4, 2, vocab_size=loss_heads.VOCAB))
+        builds.append(("llama", build_llama))
+    out = []
+    for name, build in builds:
+        torch._dynamo.reset()
+        model = build()
+        ref = copy.deepcopy(model)
+        compiled = autosp.compile(model, mesh=mesh, remat="none", backend="aot_eager",
+                                  tile_loss=True)
+        for seed in (1, 2):
+            ids, labels = make_batch(loss_heads.VOCAB, 2, SEQ, seed)
+            loss, grads, logits = _step(model, compiled, ids, labels)
+            ref_loss, ref_grads, ref_logits = _step(ref, ref, ids, labels)
+            out.append({"model": name, "loss": loss, "ref_loss": ref_loss, "grads": grads,
+                        "ref_grads": ref_grads, "logits": logits, "ref_logits": ref_logits,
+                        "tiling": compiled.loss_tiling,
+                        "graph": str(compiled.last_compile.graph_module.code)})
+    return out
+
+
+def _check(results: list[list[dict[str, Any]]], tiled: dict[str, bool]) -> None:
+    for rank, per_rank in enumerate(results):
+        assert {r["model"] for r in per_rank} == set(tiled)
+        for r in per_rank:
+            where = f"{r['model']} (rank {rank})"
+            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, (where, r["loss"], r["ref_loss"])
+            assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)
+            if r["ref_logits"] is not None:
+                torch.testing.assert_close(r["logits"], r["ref_logits"], rtol=1e-5, atol=1e-5)
+            lines = r["tiling"]
+            assert len(lines) == 1, (where, lines)
+            if tiled[r["model"]]:
+                assert lines[0].startswith("tiled: cross_entropy"), (where, lines)
+                assert "autosp.tiled_head_loss" in r["graph"], where
+            else:
+                assert lines[0].startswith("not tiled: cross_entropy"), (where, lines)
+                assert "read elsewhere" in lines[0], (where, lines)
+                assert "tiled_head_loss" not in r["graph"], where
+
+
+TILED = {m.name: m.tiled for m in loss_heads.MODELS}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_tiled_loss_is_exact(world: int) -> None:
+    results = run_ranks(world, _worker, list(TILED), True)
+    _check(results, {**TILED, "llama": True})
+
+
+def test_returned_logits_are_said_to_be_made_once_more() -> None:
+    results = run_ranks(1, _worker, ["nanogpt-returns-logits"], False)
+    assert "also read elsewhere" in results[0][0]["tiling"][0]
+
+
+def _hf_worker(rank: int, world: int, vocab: int) -> list[dict[str, Any]]:
+    import transformers
+
+    import autosp
+
+    os.environ["AUTOSP_LOSS_TILE_ROWS"] = TILE_ROWS
+    mesh = autosp.init_mesh(world)
+    config = transformers.Qwen2Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(config).train()
+    ref = copy.deepcopy(model)
+    compiled = autosp.compile(model, mesh=mesh, remat="none", backend="aot_eager", tile_loss=True,
+                              outputs="local")
+    out = []
+    for seed in (1, 2):
+        ids, labels = make_batch(vocab, 2, SEQ, seed)
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=labels).loss
+        loss.backward()
+        ref.zero_grad(set_to_none=True)
+        ref_loss = ref(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        out.append({"model": "hf-qwen2", "loss": loss.item(), "ref_loss": ref_loss.item(),
+                    "grads": grads_of(model), "ref_grads": grads_of(ref), "logits": None,
+                    "ref_logits": None, "tiling": compiled.loss_tiling,
+                    "graph": str(compiled.last_compile.graph_module.code)})
+    return out
+
+
+def test_hf_qwen2_with_a_32k_vocabulary() -> None:
+    """Hugging Face's loss (logits.float(), view, cross_entropy) over a 32k vocabulary, the
+    logits also returned (with outputs="local", this rank's chunk): tiled, exact at world 2."""
+    results = run_ranks(2, _hf_worker, 32000)
+    _check(results, {"hf-qwen2": True})
+    assert "also read elsewhere" in results[0][0]["tiling"][0]
