@@ -1,15 +1,15 @@
 """The memory model and ``autosp plan``, checked against real CPU runs.
 
-How the real runs are measured (``_run_step``): the tiny Llama is compiled the way
-``autosp.compile`` compiles it (``aot_eager`` backend, so the forward and backward graphs
-run op by op and free each value after its last use, the schedule the model simulates), a
-warm-up step creates the AdamW state, then one training step (``zero_grad(set_to_none=True)``,
-forward, backward, ``AdamW(foreach=True).step()``) runs under ``torch.profiler`` with
-``profile_memory=True``. The profiler records every CPU allocation and free with a
-timestamp; the measured peak is the bytes live before the step (parameters, AdamW state)
-plus the maximum of the running sum of those events. Saved activations are measured with
-``torch.autograd.graph.saved_tensors_hooks``: the distinct storages the compiled forward hands
-to ``ctx.save_for_backward``, parameters excluded.
+How the real runs are measured (``_run_step``, autosp.measure.train_step_memory): the tiny
+Llama is compiled the way ``autosp.compile`` compiles it (``aot_eager`` backend, so the forward
+and backward graphs run op by op and free each value after its last use, the schedule the
+model simulates), a warm-up step creates the AdamW state, then one training step
+(``zero_grad(set_to_none=True)``, forward, backward, ``AdamW(foreach=True).step()``) runs under
+``torch.profiler`` with ``profile_memory=True``. The profiler records every CPU allocation and
+free with a timestamp; the measured peak is the bytes live before the step (parameters, AdamW
+state) plus the maximum of the running sum of those events. Saved activations are measured
+with ``torch.autograd.graph.saved_tensors_hooks``: the distinct storages the compiled forward
+hands to ``ctx.save_for_backward``, parameters excluded.
 
 The SP case (P = 2) runs rank 0 of the group in this process against a fake process group
 (``torch.testing._internal.distributed.fake_pg``): collectives allocate their outputs but do
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from autosp import _core, plan_trace, planner
+from autosp import _core, measure, plan_trace, planner
 from autosp.errors import AutospError
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -43,43 +43,7 @@ def _options(policy: str, traced: planner.TracedStep) -> Any:
 def _run_step(model: torch.nn.Module, compiled: Any, ids: torch.Tensor,
               labels: torch.Tensor) -> tuple[int, int]:
     """(saved activation bytes, peak bytes) of the second training step, measured."""
-    from torch.distributed.tensor import DTensor
-
-    def local(t: torch.Tensor) -> torch.Tensor:  # a sharded parameter's own shard
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    param_storages = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = compiled(ids, labels)
-        loss.backward()
-        optimizer.step()
-
-    step()  # compiles, creates the AdamW state
-    saved.clear()
-    live_before = sum(local(p).untyped_storage().nbytes() for p in model.parameters())
-    live_before += sum(local(t).untyped_storage().nbytes() for state in optimizer.state.values()
-                       for t in state.values() if isinstance(t, torch.Tensor))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return sum(saved.values()), live_before + peak
+    return tuple(measure.train_step_memory(model, compiled, ids, labels))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,3 +135,42 @@ def test_hf_qwen2_with_a_32k_vocabulary() -> None:
     results = run_ranks(2, _hf_worker, 32000)
     _check(results, {"hf-qwen2": True})
     assert "also read elsewhere" in results[0][0]["tiling"][0]
+
+
+def test_tiling_removes_the_logits_from_the_measured_peak() -> None:
+    """Rank 0 of 2 against a fake process group (collectives allocate, do not communicate),
+    the reference Llama with an 8k vocabulary at S = 2048: a real training step's saved bytes
+    and peak (autosp.measure), untiled and tiled. The untiled forward saves this rank's fp32
+    logits' log-softmax ([1024, 8192]: 32 MiB) and its peak holds them about twice; tiled, the
+    saved bytes drop by at least those 32 MiB and the peak by at least 1.5 times that."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp import measure
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    seq, vocab = 2048, 8192
+    logits_bytes = seq // 2 * vocab * 4
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_layers=1,
+                      num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    measured = {}
+    try:
+        mesh = autosp.init_mesh(2)
+        os.environ["AUTOSP_LOSS_TILE_ROWS"] = "128"
+        for tile in (False, True):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg)
+            compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", tile_loss=tile)
+            measured[tile] = measure.train_step_memory(model, compiled, ids, ids)
+    finally:
+        os.environ.pop("AUTOSP_LOSS_TILE_ROWS", None)
+        dist.destroy_process_group()
+    print(f"untiled {measured[False]}, tiled {measured[True]}")
+    assert measured[False].saved_bytes - measured[True].saved_bytes >= logits_bytes
+    assert measured[False].peak_bytes - measured[True].peak_bytes >= 1.5 * logits_bytes
