@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autosp import _core
+from autosp import _core, tiled_loss
 from autosp.errors import AutospError
 from autosp.remat_facts import _COLLECTIVE_NAMESPACES, layer_of_path
 
@@ -252,6 +252,10 @@ def _memory_graph(
                     m.alias_of = index[base]
                 else:
                     m.alloc_bytes = _to_seq_bytes(_tensor_bytes_expr(val, shape_env), seq)
+            workspace = tiled_loss.workspace_bytes(n)
+            if workspace:
+                m.scratch_bytes = _core.SeqBytes(
+                    list(m.scratch_bytes.terms) + [_core.SeqTerm(workspace, 0, 1)])
             target = n.target
             if (
                 isinstance(target, torch._ops.OpOverload)
