@@ -159,7 +159,7 @@ def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedSte
                           batch_size=BATCH, seq_multiple=256, plot=png)
     assert png.stat().st_size > 1000
     assert result.plot == str(png)
-    assert len(result.strategies) == 8
+    assert len(result.strategies) == 11  # 2 modes x 4 remat, and 3 with the tiled loss
     budget = 64 << 20
     for s in result.strategies:
         assert s.longest_seq > 0 and s.longest_seq % 256 == 0
@@ -169,8 +169,11 @@ def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedSte
     no_sp = result.strategy("no-sp + none")
     assert ulysses.longest_seq > no_sp.longest_seq
     assert ulysses.dp_size == 2 and no_sp.dp_size == 4
+    tiled = result.strategy("ulysses + sequence-aware + tiled loss")
+    assert tiled.tile_loss and not result.strategy("ulysses + sequence-aware").tile_loss
     text = result.table()
     assert "ulysses + sequence-aware" in text and "longest S" in text
+    assert "ulysses + full + tiled loss" in text
     assert json.loads(json.dumps(result.to_dict()))["gpus"] == 4
 
 
@@ -254,7 +257,7 @@ def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.Monk
     import dataclasses
 
     config = dataclasses.replace(TINY, num_layers=4)  # the full trace is cached by the test above
-    key = (config, 1, "fp32", BATCH, True)
+    key = (config, 1, "fp32", BATCH, True, False)
     plan_trace._TRACE_CACHE.pop(key, None)
 
     def refuse(graph: Any, num_layers: int) -> Any:

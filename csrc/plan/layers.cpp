@@ -41,6 +41,7 @@ SeqBytes plus_times(const SeqBytes& base, const SeqBytes& extra, int64_t times) 
   SeqBytes out = base;
   for (SeqTerm t : extra.terms) {
     t.coef *= times;
+    t.cap *= times;
     out.terms.push_back(t);
   }
   return out;

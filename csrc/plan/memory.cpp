@@ -40,7 +40,7 @@ int64_t SeqBytes::at(int64_t seq) const {
                                   " is not whole at S=" + std::to_string(seq) +
                                   "; expected S a multiple of " + std::to_string(t.shard));
     }
-    total += v / t.shard;
+    total += t.cap > 0 ? std::min<__int128>(v / t.shard, t.cap) : v / t.shard;
   }
   if (total > limit) {
     throw std::overflow_error("[memory] size " + str() + " at S=" + std::to_string(seq) +
@@ -59,10 +59,12 @@ std::string SeqBytes::str() const {
   for (size_t i = 0; i < terms.size(); ++i) {
     const SeqTerm& t = terms[i];
     if (i > 0) out << " + ";
+    if (t.cap > 0) out << "min(";
     out << t.coef;
     if (t.power == 1) out << "*S";
     if (t.power > 1) out << "*S^" << t.power;
     if (t.shard != 1) out << "/" << t.shard;
+    if (t.cap > 0) out << ", " << t.cap << ")";
   }
   return out.str();
 }

@@ -33,10 +33,14 @@ namespace autosp {
 // the sequence factor (P for a Shard value, P^2 for one sharded in two S factors, 1 for a
 // replicated value); the division is exact when S is a multiple of the SP degree.
 //   SeqTerm{.coef = 2 * 4096 * 2, .power = 1, .shard = 8}.at(65536) == 2 * 4096 * 2 * 8192
+//
+// `cap` > 0 bounds the term: min(coef * S^power / shard, cap) (a buffer of one chunk of the
+// rows, such as the tiled loss's: it grows with S up to a chunk, then stays).
 struct SeqTerm {
   int64_t coef = 0;
   int power = 0;
   int64_t shard = 1;
+  int64_t cap = 0;
 
   bool operator==(const SeqTerm&) const = default;
 };

@@ -20,7 +20,10 @@ assumptions and what it leaves out.
 
 Strategies: ``no-sp`` (P = 1, each GPU trains whole sequences; the GPUs are data parallel) and
 ``ulysses`` (P = sp), each with remat ``none`` / ``default`` / ``sequence-aware`` / ``full``
-(checkpoint every decoder layer: save only its input).
+(checkpoint every decoder layer: save only its input), and with the tiled loss
+(``+ tiled loss``: ``autosp.compile(tile_loss=True)``, the [tokens, vocab] logits computed a
+chunk at a time; by default planned with sequence-aware remat, and with full checkpointing
+under Ulysses).
 
 Modules, by stage: ``autosp.plan_inputs`` (presets, model configs, byte sizes),
 ``autosp.plan_trace`` (the trace), ``autosp.plan_memory_graph`` (the joint graph as the core's
@@ -99,7 +102,7 @@ class MemoryPrediction:
 
 @dataclass(frozen=True)
 class StrategyPlan:
-    name: str  # "ulysses + sequence-aware"
+    name: str  # "ulysses + sequence-aware", "ulysses + sequence-aware + tiled loss"
     sp_mode: str  # "no-sp" | "ulysses"
     remat: str
     sp_size: int
@@ -109,6 +112,7 @@ class StrategyPlan:
     at_longest: MemoryPrediction | None
     at_seq: MemoryPrediction | None  # at PlanResult.seq_len
     curve: tuple[tuple[int, int], ...]  # (S, predicted peak)
+    tile_loss: bool = False  # autosp.compile(tile_loss=True)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class PlanResult:
                 if self.fsdp else f"optimizer state sharded over {self.optimizer_sharding}"),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
             "state, saved activations, transient, communication",
-            f"{'strategy':<28} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
+            f"{'strategy':<38} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
             f"{'params':>7} {'grads':>7} {'optim':>7} {'saved':>7} {'trans':>7} {'comm':>6}  "
             "peak during",
         ]
@@ -164,7 +168,7 @@ class PlanResult:
                     f"{b.phase} ({b.peak_node})"
                 )
             lines.append(
-                f"{s.name:<28} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
+                f"{s.name:<38} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
             )
         lines.append("* over the budget. Longest S is searched over multiples of "
                      f"{self.seq_multiple}.")
@@ -192,18 +196,27 @@ def _core_options(remat: str, dtype: str, num_params: int, shards: int,
     return options
 
 
-def _parse_strategies(strategies: Sequence[str] | None) -> list[tuple[str, str]]:
+#: The strategies planned by default beyond every (mode, remat): these with the tiled loss.
+TILED_DEFAULTS = (("no-sp", "sequence-aware"), ("ulysses", "sequence-aware"), ("ulysses", "full"))
+TILED = "tiled-loss"
+
+
+def _parse_strategies(strategies: Sequence[str] | None) -> list[tuple[str, str, bool]]:
     if strategies is None:
-        return [(mode, r) for mode in SP_MODES for r in REMAT_STRATEGIES]
+        return ([(mode, r, False) for mode in SP_MODES for r in REMAT_STRATEGIES]
+                + [(mode, r, True) for mode, r in TILED_DEFAULTS])
     out = []
     for s in strategies:
-        mode, _, r = s.replace(" ", "").partition("+")
-        if mode not in SP_MODES or r not in REMAT_STRATEGIES:
+        parts = s.replace(" ", "").replace("tiledloss", TILED).split("+")
+        tile = parts[2:] == [TILED]
+        if (len(parts) not in (2, 3) or parts[0] not in SP_MODES or parts[1] not in REMAT_STRATEGIES
+                or (len(parts) == 3 and not tile)):
             raise AutospError(
                 f"[plan] unknown strategy {s!r}; expected '<{'|'.join(SP_MODES)}>+"
-                f"<{'|'.join(REMAT_STRATEGIES)}>', e.g. 'ulysses+sequence-aware'"
+                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}]', e.g. 'ulysses+sequence-aware' or "
+                f"'ulysses+full+{TILED}'"
             )
-        out.append((mode, r))
+        out.append((parts[0], parts[1], tile))
     return out
 
 
@@ -265,14 +278,16 @@ def plan(
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise AutospError(f"[plan] found seq_len={seq_len!r}; expected a positive integer")
 
-    results: list[tuple[str, str, int, int, Any, Any]] = []
-    traces: dict[int, TracedStep] = {}
+    results: list[tuple[str, str, bool, int, int, Any, Any]] = []
+    traces: dict[tuple[int, bool], TracedStep] = {}
     num_params = 0
-    for mode, remat in chosen:
+    for mode, remat, tile in chosen:
         p = sp if mode == "ulysses" else 1
         dp = gpus // p
-        traced = traces.setdefault(
-            p, trace_step(config, sp_size=p, dtype=dtype, batch_size=batch_size))
+        if (p, tile) not in traces:
+            traces[(p, tile)] = trace_step(config, sp_size=p, dtype=dtype, batch_size=batch_size,
+                                           tile_loss=tile)
+        traced = traces[(p, tile)]
         num_params = traced.num_params
         shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
         options = _core_options(remat, dtype, traced.num_params, shards,
@@ -285,17 +300,18 @@ def plan(
             found = _core.longest_trainable_seq(traced.graph, options, query)
         except ValueError as e:
             _raise_core(e)
-        results.append((mode, remat, p, dp, found, (traced, options)))
+        results.append((mode, remat, tile, p, dp, found, (traced, options)))
 
     if seq_len is None:
-        pick = [r for r in results if r[0] == "ulysses" and r[1] == "sequence-aware"] or results
-        seq_len = max(r[4].longest_seq for r in pick) or multiple
-    top = max([r[4].longest_seq for r in results] + [seq_len, multiple])
+        pick = [r for r in results
+                if r[0] == "ulysses" and r[1] == "sequence-aware" and not r[2]] or results
+        seq_len = max(r[5].longest_seq for r in pick) or multiple
+    top = max([r[5].longest_seq for r in results] + [seq_len, multiple])
     grid = sorted({max(multiple, (top * 5 // 4 * k // curve_points) // multiple * multiple)
                    for k in range(1, curve_points + 1)})
 
     plans = []
-    for mode, remat, p, dp, found, (traced, options) in results:
+    for mode, remat, tile, p, dp, found, (traced, options) in results:
         at_seq = None
         if seq_len % p == 0:
             at_seq = MemoryPrediction.from_core(
@@ -304,7 +320,8 @@ def plan(
             (s, _core.simulate_peak_memory(traced.graph, s, options).peak) for s in grid
         )
         plans.append(StrategyPlan(
-            name=f"{mode} + {remat}", sp_mode=mode, remat=remat, sp_size=p, dp_size=dp,
+            name=f"{mode} + {remat}" + (" + tiled loss" if tile else ""), sp_mode=mode,
+            remat=remat, tile_loss=tile, sp_size=p, dp_size=dp,
             longest_seq=found.longest_seq, capped=found.capped,
             at_longest=MemoryPrediction.from_core(found.at_longest) if found.longest_seq else None,
             at_seq=at_seq, curve=curve,
@@ -388,7 +405,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="search S over multiples of this (and of sp)")
     p.add_argument("--max-seq", type=int, default=1 << 22, help="search no further than this")
     p.add_argument("--strategies", default=None,
-                   help="comma-separated, e.g. 'ulysses+none,ulysses+sequence-aware'")
+                   help="comma-separated, e.g. 'ulysses+none,ulysses+sequence-aware,"
+                        "ulysses+full+tiled-loss' (+tiled-loss: autosp.compile(tile_loss=True))")
     p.add_argument("--plot", default=None,
                    help="PNG to write (default: autosp-plan-<model>.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write a plot")

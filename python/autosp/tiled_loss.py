@@ -47,21 +47,23 @@ def tile_rows(classes: int) -> int:
     return max(1, TILE_ELEMENTS // max(1, classes))
 
 
-def workspace_bytes(node: fx.Node) -> int:
-    """Bytes a node of a joint graph allocates and frees while it runs, when it is a tiled
-    loss op (0 for any other node): what ``autosp plan``'s memory model adds to the op. Per
-    chunk of ``rows x classes`` elements, measured on CPU for lm_head, ``.float()`` and the
-    loss (tests/test_tiled_loss.py): the forward holds 8 bytes per element (the chunk's logits
-    and their log-softmax), the backward 12 (recomputed logits, log-softmax and their
-    gradients) plus the fp32 accumulator of the weight's gradient. A full chunk is assumed
-    (at long sequences every chunk but the last is)."""
+def workspace(node: fx.Node) -> tuple[int, int, int] | None:
+    """What a tiled loss op of a joint graph allocates and frees while it runs, for ``autosp
+    plan``'s memory model: ``(bytes per row, rows of a chunk, constant bytes)``, the workspace
+    being ``bytes per row * min(rows, rows of a chunk) + constant``; None for any other node.
+    Per element of a chunk's ``[rows, classes]``, measured on CPU for lm_head, ``.float()`` and
+    the loss (tests/test_tiled_loss.py checks the prediction): the forward holds 8 bytes (the
+    chunk's logits and their log-softmax), the backward 12 (recomputed logits, log-softmax and
+    their gradients), plus the fp32 accumulator of the weight's gradient."""
     forward = node.target is torch.ops.autosp.tiled_head_loss.default
     if not forward and node.target is not torch.ops.autosp.tiled_head_loss_backward.default:
-        return 0
+        return None
     weight = node.args[1 if forward else 2].meta["val"]
-    classes, hidden = weight.shape
-    chunk = tile_rows(int(classes)) * int(classes)
-    return chunk * 8 if forward else chunk * 12 + int(classes) * int(hidden) * 4
+    classes, hidden = int(weight.shape[0]), int(weight.shape[1])
+    rows = tile_rows(classes)
+    if forward:
+        return 8 * classes, rows, 0
+    return 12 * classes, rows, classes * hidden * 4
 
 
 def _chunks(rows: int, classes: int) -> list[tuple[int, int]]:

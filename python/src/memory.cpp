@@ -19,13 +19,14 @@ void init_memory(nb::module_& m) {
       .def(nb::init<>())
       .def(
           "__init__",
-          [](SeqTerm* t, int64_t coef, int power, int64_t shard) {
-            new (t) SeqTerm{coef, power, shard};
+          [](SeqTerm* t, int64_t coef, int power, int64_t shard, int64_t cap) {
+            new (t) SeqTerm{coef, power, shard, cap};
           },
-          "coef"_a, "power"_a = 0, "shard"_a = 1)
+          "coef"_a, "power"_a = 0, "shard"_a = 1, "cap"_a = 0)
       .def_rw("coef", &SeqTerm::coef)
       .def_rw("power", &SeqTerm::power)
       .def_rw("shard", &SeqTerm::shard)
+      .def_rw("cap", &SeqTerm::cap)
       .def(nb::self == nb::self);
 
   nb::class_<SeqBytes>(m, "SeqBytes")

@@ -84,7 +84,7 @@ TEST(LossTiles, ProjectionCastAndViewAreTiled) {
   const Node& ce = loss_node(plan);
   EXPECT_EQ(ce.ints_attr("head_chain"), (Ints{m.linear_node, m.cast_node, m.view_node}));
   EXPECT_EQ(ce.ints_attr("head_regroup"), (Ints{0, 0, 1}));  // the view is skipped per chunk
-  ASSERT_EQ(ce.inputs.size(), 5u);  // (-1, targets, h, weight, bias)
+  ASSERT_EQ(ce.inputs.size(), 5u);                           // (-1, targets, h, weight, bias)
   EXPECT_EQ(ce.inputs[0], -1);
   for (size_t i = 1; i < 5; ++i) EXPECT_GE(ce.inputs[i], 0) << i;
   // Sharded like the tokens it covers; the replicated weight behind a gradient sync.

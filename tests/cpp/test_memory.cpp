@@ -288,3 +288,19 @@ TEST(MemoryGraphChecks, RejectsAliasOfLaterNode) {
 
 }  // namespace
 }  // namespace autosp
+
+namespace autosp {
+namespace {
+
+// A capped term (a buffer of one chunk of rows, as the tiled loss holds): it grows with S
+// until it reaches its cap, then stays; replicated layers scale the cap with the term.
+TEST(SeqBytesCap, GrowsUntilTheCapThenStays) {
+  const SeqBytes b{{SeqTerm{.coef = 64, .power = 1, .shard = 2, .cap = 1024}, SeqTerm{16, 0, 1}}};
+  EXPECT_EQ(b.at(8), 64 * 8 / 2 + 16);
+  EXPECT_EQ(b.at(32), 1024 + 16);
+  EXPECT_EQ(b.at(1 << 20), 1024 + 16);
+  EXPECT_EQ(b.str(), "min(64*S/2, 1024) + 16");
+}
+
+}  // namespace
+}  // namespace autosp
