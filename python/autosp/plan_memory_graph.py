@@ -254,12 +254,12 @@ def _memory_graph(
                     m.alloc_bytes = _to_seq_bytes(_tensor_bytes_expr(val, shape_env), seq)
             work = tiled_loss.workspace(n)
             if work is not None:
-                per_row, chunk_rows, constant = work
+                per_row, cap, constant = work
                 h = n.args[1 if n.target is torch.ops.autosp.tiled_head_loss_backward.default else 0]
                 rows = math.prod(_canonical(d, shape_env) for d in h.meta["val"].shape[:-1])
                 terms = list(m.scratch_bytes.terms)
                 for t in _to_seq_bytes(rows * per_row, seq).terms:
-                    t.cap = chunk_rows * per_row  # one chunk of rows at a time
+                    t.cap = cap  # a fixed number of rows per chunk: one chunk at a time
                     terms.append(t)
                 m.scratch_bytes = _core.SeqBytes(terms + [_core.SeqTerm(constant, 0, 1)])
             target = n.target

@@ -17,8 +17,8 @@ Exactness: each row's loss is the computation one device does for that row (the 
 matmul row, casts, ops and loss), so the sum differs from the untiled one only by the order
 of its additions. The cost: the projection's forward runs twice.
 
-Chunk size: ``AUTOSP_LOSS_TILE_ROWS`` if set, else as many rows as keep one chunk's logits
-within :data:`TILE_ELEMENTS` elements.
+Chunk size (:func:`chunk_rows`): ``AUTOSP_LOSS_TILE_ROWS`` if set, else chunks whose logits
+hold as many elements as the hidden states they come from.
 """
 
 from __future__ import annotations
@@ -33,42 +33,51 @@ import torch.nn.functional as F
 
 from autosp.tiled_attention import _autograd_inside_op
 
-#: Elements of one chunk's logits when AUTOSP_LOSS_TILE_ROWS is not set (256 MiB in fp32).
-TILE_ELEMENTS = 1 << 26
-
 # recipe key -> f(h_rows [n, D], weight, bias or None, targets [n], reduction) -> loss
 _RECIPES: dict[int, Callable[..., torch.Tensor]] = {}
 
 
-def tile_rows(classes: int) -> int:
+def chunk_rows(rows: int, classes: int, hidden: int) -> int:
+    """Rows per chunk: ``AUTOSP_LOSS_TILE_ROWS`` if set, else ``ceil(rows * hidden / classes)``,
+    so that one chunk's ``[chunk, classes]`` logits hold as many elements as the hidden states
+    ``[rows, hidden]`` they come from: the loss's working set then stays the size of one
+    activation, whatever the vocabulary (``classes / hidden`` chunks; 32 for Llama-3's
+    128256 / 4096)."""
     env = os.environ.get("AUTOSP_LOSS_TILE_ROWS")
     if env:
         return max(1, int(env))
-    return max(1, TILE_ELEMENTS // max(1, classes))
+    return max(1, -(-rows * hidden // max(1, classes)))
+
+
+def _chunks(rows: int, classes: int, hidden: int) -> list[tuple[int, int]]:
+    t = chunk_rows(rows, classes, hidden)
+    return [(s, min(rows, s + t)) for s in range(0, rows, t)]
 
 
 def workspace(node: fx.Node) -> tuple[int, int, int] | None:
     """What a tiled loss op of a joint graph allocates and frees while it runs, for ``autosp
-    plan``'s memory model: ``(bytes per row, rows of a chunk, constant bytes)``, the workspace
-    being ``bytes per row * min(rows, rows of a chunk) + constant``; None for any other node.
-    Per element of a chunk's ``[rows, classes]``, measured on CPU for lm_head, ``.float()`` and
-    the loss (tests/test_tiled_loss.py checks the prediction): the forward holds 8 bytes (the
-    chunk's logits and their log-softmax), the backward 12 (recomputed logits, log-softmax and
-    their gradients), plus the fp32 accumulator of the weight's gradient."""
+    plan``'s memory model, as ``(bytes per row of h, cap, constant)``: the workspace is
+    ``min(bytes per row * rows, cap) + constant`` (no cap when 0); None for any other node.
+
+    Per element of a chunk's ``[rows, classes]`` logits, measured on CPU for lm_head,
+    ``.float()`` and the loss (tests/test_tiled_loss.py checks the prediction): the forward
+    holds 8 bytes (the chunk's logits and their log-softmax), the backward 12 (recomputed
+    logits, log-softmax and their gradients) plus the weight's gradient twice (the fp32
+    accumulator and one chunk's). With chunks of ``ceil(rows * hidden / classes)`` rows that is about ``k * hidden``
+    bytes per row of h (plus at most one row of logits for the rounding); with a fixed number
+    of rows per chunk (``AUTOSP_LOSS_TILE_ROWS``), ``k * classes`` per row up to one chunk."""
     forward = node.target is torch.ops.autosp.tiled_head_loss.default
     if not forward and node.target is not torch.ops.autosp.tiled_head_loss_backward.default:
         return None
     weight = node.args[1 if forward else 2].meta["val"]
     classes, hidden = int(weight.shape[0]), int(weight.shape[1])
-    rows = tile_rows(classes)
-    if forward:
-        return 8 * classes, rows, 0
-    return 12 * classes, rows, classes * hidden * 4
-
-
-def _chunks(rows: int, classes: int) -> list[tuple[int, int]]:
-    t = tile_rows(classes)
-    return [(s, min(rows, s + t)) for s in range(0, rows, t)]
+    k = 8 if forward else 12
+    # The backward's fp32 accumulator of the weight's gradient, and one chunk's gradient.
+    accumulator = 0 if forward else classes * hidden * (4 + weight.dtype.itemsize)
+    env = os.environ.get("AUTOSP_LOSS_TILE_ROWS")
+    if env:
+        return k * classes, k * classes * max(1, int(env)), accumulator
+    return k * hidden, 0, k * classes + accumulator
 
 
 def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node) -> int:
@@ -173,7 +182,7 @@ def tiled_head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     h2, t = _rows(h, target)
     run = _recipe(recipe)
     each = "none" if reduction == "none" else "sum"
-    parts = [run(h2[s:e], weight, bias, t[s:e], each) for s, e in _chunks(h2.shape[0], weight.shape[0])]
+    parts = [run(h2[s:e], weight, bias, t[s:e], each) for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1])]
     return _reduce(parts, t, reduction, ignore_index, h2.new_zeros((), dtype=out_dtype)).to(out_dtype)
 
 
@@ -202,7 +211,7 @@ def tiled_head_loss_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.
     with _autograd_inside_op(), torch.enable_grad():
         w = weight.detach().requires_grad_()
         b = bias.detach().requires_grad_() if bias is not None else None
-        for s, e in _chunks(h2.shape[0], weight.shape[0]):
+        for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1]):
             hc = h2[s:e].detach().requires_grad_()
             loss = run(hc, w, b, t[s:e], "none" if reduction == "none" else "sum")
             wrt = (hc, w) if b is None else (hc, w, b)
