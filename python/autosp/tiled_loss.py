@@ -258,3 +258,24 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node 
     _, target, h, weight, bias = ins
     return graph.call_function(torch.ops.autosp.tiled_head_loss.default,
                                (h, weight, bias, target, key, reduction, ignore_index(fxn), out.dtype))
+
+
+def _register_flops() -> None:
+    """Model FLOPs of the tiled ops (torch.utils.flop_counter, read by autosp's remat facts and
+    the trainer's MFU): the projection's 2 * rows * hidden * classes forward, and its backward's
+    4 * rows * hidden * classes (the gradients of h and of the weight). The backward's
+    recomputation of each chunk's logits is not model work, as remat's is not."""
+    from math import prod
+
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula(torch.ops.autosp.tiled_head_loss)
+    def _forward(h_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+        return 2 * prod(h_shape) * w_shape[0]
+
+    @register_flop_formula(torch.ops.autosp.tiled_head_loss_backward)
+    def _backward(grad_shape: Any, h_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+        return 4 * prod(h_shape) * w_shape[0]
+
+
+_register_flops()

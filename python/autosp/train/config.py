@@ -76,6 +76,9 @@ class TrainingConfig:
     remat_budget_gib: float = _f(0.0, "cap the activations saved for backward at this many GiB "
                                       "per rank (autosp.remat.MemoryBudget; 0: the remat policy "
                                       "decides)")
+    tile_loss: bool = _f(True, "compute the loss over lm_head a chunk of tokens at a time, so that "
+                               "the [tokens, vocab] logits never exist whole (autosp.compile("
+                               "tile_loss=True); exact)")
     check: bool = _f(False, "at the end, compare the first step's loss with the plain model on one "
                             "device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")

@@ -132,7 +132,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     remat = MemoryBudget(bytes=int(t.remat_budget_gib * (1 << 30))) if t.remat_budget_gib > 0 \
         else t.remat
     compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=t.backend,
-                              remat_report=flops_report)
+                              remat_report=flops_report, tile_loss=t.tile_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)
@@ -149,7 +149,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         print(f"autosp train: world {world_size} = dp {dp_size} x sp {sp_size}, "
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
-              f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}, "
+              f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
+              f"{', tiled loss' if t.tile_loss else ''}, "
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)
