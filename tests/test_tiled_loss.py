@@ -86,7 +86,7 @@ def _check(results: list[list[dict[str, Any]]], tiled: dict[str, bool]) -> None:
 TILED = {m.name: m.tiled for m in loss_heads.MODELS}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_tiled_loss_is_exact(world: int) -> None:
     results = run_ranks(world, _worker, list(TILED), True)
     _check(results, {**TILED, "llama": True})

@@ -112,6 +112,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path, to: str) -
         assert proc.returncode != 0 and found in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # 22 s of the default suite's 20 minutes
 def test_the_loss_does_not_depend_on_how_the_batch_is_split(tmp_path: Path) -> None:
     """The step's loss is the mean over all its target tokens: two sequences of very
     different numbers of targets (one mostly empty documents) give the same loss and
