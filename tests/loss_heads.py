@@ -98,13 +98,60 @@ def z_loss(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ce + 1e-3 * torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
+# Forms a breaker found (each silently wrong or a raw error once): tiling must refuse them with
+# the reason given, or (legacy reduce=False) tile them exactly.
+
+
+def write_through_alias(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = m.lm_head(h)
+    flat = logits.view(-1, VOCAB)
+    logits.mul_(0.5)  # reaches flat too
+    return F.cross_entropy(flat, _shifted(labels).reshape(-1))
+
+
+def head_without_grad(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        metric = F.cross_entropy(m.lm_head(h).view(-1, VOCAB), _shifted(labels).reshape(-1))
+    return view_float(m, h, labels) + metric
+
+
+def detached_logits(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    extra = F.cross_entropy(m.lm_head(h).detach().view(-1, VOCAB), _shifted(labels).reshape(-1))
+    return view_float(m, h, labels) + extra
+
+
+def autocast_head(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = m.lm_head(h)
+    return F.cross_entropy(logits.float().view(-1, VOCAB), _shifted(labels).reshape(-1))
+
+
+def soft_targets(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    probs = F.one_hot(labels.clamp(min=0).reshape(-1), VOCAB).float() * 0.9 + 0.1 / VOCAB
+    return F.cross_entropy(m.lm_head(h).reshape(-1, VOCAB), probs)
+
+
+def legacy_reduce(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    t = _shifted(labels).reshape(-1)
+    per = F.cross_entropy(m.lm_head(h).view(-1, VOCAB), t, reduce=False)  # = reduction="none"
+    return per.sum() / (t != -100).sum()
+
+
+def divide_by_a_size(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = m.lm_head(h) / labels.shape[1]
+    return F.cross_entropy(logits.reshape(-1, VOCAB), _shifted(labels).reshape(-1))
+
+
 @dataclass(frozen=True)
 class LossModel:
     name: str
     loss: Callable[[Head, torch.Tensor, torch.Tensor], object]
-    tiled: bool  # whether autosp tiles it
+    tiled: bool  # whether autosp tiles it (its only loss)
     bias: bool = False
     tied: bool = False
+    # Several losses, or a reason: for each cross-entropy in order, TILED or what its "not
+    # tiled: " line of loss_tiling contains.
+    expect: tuple[str, ...] = ()
 
     def build(self, seed: int = 0) -> Head:
         with torch.random.fork_rng(devices=[]):
@@ -118,4 +165,18 @@ MODELS = [
     LossModel("per-token-masked-mean-tied", per_token_masked_mean, tiled=True, tied=True),
     LossModel("nanogpt-returns-logits", nanogpt_returns_logits, tiled=True),
     LossModel("z-loss", z_loss, tiled=False),
+]
+
+TILED = "tiled: cross_entropy"  # in expect: this loss is tiled
+REGRESSIONS = [
+    LossModel("write-through-alias", write_through_alias, tiled=False,
+              expect=("the in-place 'mul'",)),
+    LossModel("head-without-grad", head_without_grad, tiled=False,
+              expect=("gradients stop", TILED)),
+    LossModel("detached-logits", detached_logits, tiled=False, expect=("gradients stop", TILED)),
+    LossModel("autocast-head", autocast_head, tiled=False, expect=("runs under torch.autocast",)),
+    LossModel("soft-targets", soft_targets, tiled=False, expect=("class probabilities",)),
+    LossModel("legacy-reduce-false", legacy_reduce, tiled=True),
+    LossModel("divide-by-a-size", divide_by_a_size, tiled=False,
+              expect=("not a row-wise op of the logits alone",)),
 ]

@@ -38,7 +38,8 @@ def _worker(rank: int, world: int, names: list[str], llama: bool) -> list[dict[s
 
     os.environ["AUTOSP_LOSS_TILE_ROWS"] = TILE_ROWS
     mesh = autosp.init_mesh(world)
-    builds = [(m.name, m.build) for m in loss_heads.MODELS if m.name in names]
+    builds = [(m.name, m.build) for m in loss_heads.MODELS + loss_heads.REGRESSIONS
+              if m.name in names]
     if llama:
         def build_llama() -> torch.nn.Module:
             with torch.random.fork_rng(devices=[]):
@@ -63,7 +64,9 @@ def _worker(rank: int, world: int, names: list[str], llama: bool) -> list[dict[s
     return out
 
 
-def _check(results: list[list[dict[str, Any]]], tiled: dict[str, bool]) -> None:
+def _check(results: list[list[dict[str, Any]]], tiled: dict[str, bool | tuple[str, ...]]) -> None:
+    """Every step exact; ``tiled[model]``: True (its one loss tiled), False (not tiled, its
+    logits read elsewhere), or per loss in order loss_heads.TILED or a "not tiled" reason."""
     for rank, per_rank in enumerate(results):
         assert {r["model"] for r in per_rank} == set(tiled)
         for r in per_rank:
@@ -73,8 +76,16 @@ def _check(results: list[list[dict[str, Any]]], tiled: dict[str, bool]) -> None:
             if r["ref_logits"] is not None:
                 torch.testing.assert_close(r["logits"], r["ref_logits"], rtol=1e-5, atol=1e-5)
             lines = r["tiling"]
+            expect = tiled[r["model"]]
+            if isinstance(expect, tuple):
+                assert len(lines) == len(expect), (where, lines)
+                for line, e in zip(lines, expect):
+                    ok = line.startswith(e) if e == loss_heads.TILED else (
+                        line.startswith("not tiled: cross_entropy") and e in line)
+                    assert ok, (where, e, line)
+                continue
             assert len(lines) == 1, (where, lines)
-            if tiled[r["model"]]:
+            if expect:
                 assert lines[0].startswith("tiled: cross_entropy"), (where, lines)
                 assert "autosp.tiled_head_loss" in r["graph"], where
             else:
@@ -90,6 +101,19 @@ TILED = {m.name: m.tiled for m in loss_heads.MODELS}
 def test_tiled_loss_is_exact(world: int) -> None:
     results = run_ranks(world, _worker, list(TILED), True)
     _check(results, {**TILED, "llama": True})
+
+
+REGRESSIONS = {m.name: m.expect or m.tiled for m in loss_heads.REGRESSIONS}
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_forms_that_must_not_be_tiled_are_refused_and_exact(world: int) -> None:
+    """A breaker's findings, each silently wrong (or a raw error) once: a write into the
+    logits through a view, the projection under torch.no_grad or .detach(), under autocast,
+    class-probability targets (whose untiled mean was also wrong), a scalar computed in the
+    graph; and the deprecated reduce=False (planned as a mean once, untiled too), tiled."""
+    results = run_ranks(world, _worker, list(REGRESSIONS), False)
+    _check(results, REGRESSIONS)
 
 
 def test_returned_logits_are_said_to_be_made_once_more() -> None:
@@ -218,3 +242,38 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
     finally:
         os.environ.pop("AUTOSP_LOSS_TILE_ROWS", None)
         dist.destroy_process_group()
+
+
+def _errors_worker(rank: int, world: int) -> list[str]:
+    import autosp
+
+    mesh = autosp.init_mesh(world)
+    found = []
+    ids, labels = make_batch(loss_heads.VOCAB, 2, SEQ, 1)
+
+    def sym_ignore(m: Any, h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(
+            m.lm_head(h).view(-1, loss_heads.VOCAB), lab.reshape(-1), ignore_index=-lab.size(1) - 1000)
+
+    cases = [("abc", loss_heads.view_float, True), ("0", loss_heads.view_float, True),
+             ("", sym_ignore, False)]
+    for rows, loss, tile in cases:
+        os.environ["AUTOSP_LOSS_TILE_ROWS"] = rows
+        torch._dynamo.reset()
+        model = loss_heads.LossModel("x", loss, tiled=True).build()
+        compiled = autosp.compile(model, mesh=mesh, remat="none", backend="aot_eager",
+                                  tile_loss=tile)
+        try:
+            compiled(ids, labels)
+            found.append("no error")
+        except autosp.AutospError as e:
+            found.append(str(e))
+    return found
+
+
+def test_bad_chunk_setting_and_a_computed_ignore_index_are_clear_errors() -> None:
+    found = run_ranks(1, _errors_worker)[0]
+    assert "found AUTOSP_LOSS_TILE_ROWS='abc'; expected a positive integer" in found[0]
+    assert "found AUTOSP_LOSS_TILE_ROWS='0'; expected a positive integer" in found[1]
+    assert "[autosp:ulysses] op 'cross_entropy'" in found[2]
+    assert "found an ignore_index computed in the graph" in found[2]

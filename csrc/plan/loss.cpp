@@ -37,12 +37,25 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
         if (v >= 0) uses_[static_cast<size_t>(v)] += 1;
       for (int64_t v : m.ints_attr("refs")) uses_[static_cast<size_t>(v)] += 1;
     }
+    int depth = 0;  // torch.autocast regions (nontensor markers, attribute autocast +1 / -1)
+    for (const Node& m : in_.nodes) {
+      depth += static_cast<int>(m.int_attr("autocast", 0));
+      in_autocast_.push_back(depth > 0);
+    }
   }
   auto refuse = [&](const std::string& why) -> std::optional<HeadTile> {
     loss_tiling_.push_back("not tiled: cross_entropy " + where(ce) + ": " + why);
     return std::nullopt;
   };
   if (ce.inputs.size() > 2 && ce.inputs[2] >= 0) return refuse("it has class weights");
+  const Value& targets = in_.value(ce.inputs[1]);
+  if (targets.rank() != 1 || is_float(targets.dtype))
+    return refuse("its targets are " + targets.dtype + shape_str(targets.shape) +
+                  " (class probabilities?), not one class index per row");
+  if (ce.bool_attr("scalar_from_graph", false))
+    return refuse("an argument of it is computed in the graph (ignore_index from a size?)");
+  if (in_autocast_[static_cast<size_t>(ce.id)])
+    return refuse("it runs under torch.autocast, which the chunks would not replay");
   const Value& logits = in_.value(ce.inputs[0]);
   if (logits.rank() != 2 || !logits.shape[1].is_static())
     return refuse("its logits are " + shape_str(logits.shape) +
@@ -60,10 +73,31 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
     if (m.op != "linear" && uses_[static_cast<size_t>(v)] != 1)
       return refuse("the logits made by " + where(m) +
                     " are read elsewhere too (by another op, or returned by the model)");
+    if (in_autocast_[static_cast<size_t>(m.id)])
+      return refuse(where(m) + " runs under torch.autocast, which the chunks would not replay");
+    // A later in-place write into h, the logits or a view of them: the chunks, computed from h
+    // at the loss, would not see it.
+    if (const Node* w = later_write_to_aliases(m))
+      return refuse(
+          "the in-place '" + w->op + "' " +
+          (w->loc.empty() ? "" : "at " + w->loc.file + ":" + std::to_string(w->loc.line)) +
+          " writes into a value of the projection's chain or a view of it");
     if (m.op == "linear") {
       const Value& out = in_.value(m.outputs[0]);
       if (out.shape.empty() || !(out.shape.back() == classes))
         return refuse("the projection " + where(m) + " makes " + shape_str(out.shape));
+      bool operands_grad = false;
+      for (int i : m.inputs)
+        operands_grad = operands_grad || (i >= 0 && in_.value(i).requires_grad);
+      // torch.no_grad around the projection, .detach() or a constant fill after it: the loss
+      // carries no gradient into h and the weight, which the tiled op would give it.
+      for (int64_t c : chain)
+        if (in_.value(in_.nodes[static_cast<size_t>(c)].outputs[0]).requires_grad != operands_grad)
+          return refuse(
+              "gradients stop between the projection and the loss (torch.no_grad, "
+              ".detach() or a fill)");
+      if (out.requires_grad != operands_grad)
+        return refuse("the projection " + where(m) + " runs without gradients (torch.no_grad)");
       chain.push_back(m.id);
       regroup.push_back(0);
       break;
@@ -78,7 +112,7 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
                           !out.shape.empty() && in.shape.back() == classes &&
                           out.shape.back() == classes;
     if (!one_operand || m.has_attr("refs") || writes_into_first_operand(m) ||
-        !(elementwise || regroups))
+        !(elementwise || regroups) || (!regroups && m.bool_attr("scalar_from_graph", false)))
       return refuse("the op " + where(m) +
                     " between the projection and the loss is not a row-wise op of the logits "
                     "alone (a cast, a pointwise op with constant operands, a reshape keeping "
@@ -185,6 +219,28 @@ void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& a
   const int idx =
       copy_loss(n, args, Placement::partial(), {{"reduction", std::string("sum")}}, tile);
   const int ce = out_.nodes[static_cast<size_t>(idx)].outputs[0];
+  if (is_float(val(args[1]).dtype)) {
+    // Class probabilities as targets: no index is ignored, the mean is over every position,
+    // the global count of the input's dims but the classes (dim 1, or 0 of a 1-D input).
+    const Value& x = in_.value(n.inputs[0]);
+    Dim count = Dim::constant(1);
+    for (int d = 0; d < x.rank(); ++d)
+      if (d != (x.rank() > 1 ? 1 : 0)) count = count * x.shape[static_cast<size_t>(d)];
+    if (count.is_opaque())
+      throw PlanError(kPass, n, "a mean over " + count.str() + " positions",
+                      "sizes that are multiples of S");
+    Attrs divisor{{"divisor_coef", count.coef}, {"divisor_power", int64_t{count.power}}};
+    if (count.offset != 0) divisor["divisor_offset"] = count.offset;
+    const int q = emit("div", {ce}, divisor, {{val(ce), Placement::partial()}}, n.loc)[0];
+    vmap_[static_cast<size_t>(n.outputs[0])] = q;
+    return;
+  }
+  if (n.bool_attr("ignore_index_from_graph", false))
+    throw PlanError(kPass, n, "an ignore_index computed in the graph (from a size or a tensor)",
+                    "a constant ignore_index for a mean cross-entropy",
+                    "The mean divides by the targets not ignored across the SP group, which the "
+                    "plan counts with the ignore_index it reads at compile time. Pass a constant "
+                    "(-100), or use reduction='sum' and divide by your own count.");
   Value count_v;
   count_v.kind = ValueKind::Tensor;
   count_v.dtype = "i64";

@@ -281,7 +281,8 @@ class PlanBuilder {
   int copy_loss(const Node& n, std::vector<int> args, const Placement& out, Attrs attrs,
                 const std::optional<HeadTile>& tile);
   std::vector<std::string> loss_tiling_;
-  std::vector<int> uses_;  // input value id -> number of reads (node inputs and outputs)
+  std::vector<int> uses_;          // input value id -> number of reads (node inputs and outputs)
+  std::vector<bool> in_autocast_;  // input node id -> inside a torch.autocast region
 
   void emit_sdpa(const Node& n);
 

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autosp import collectives, tiled_attention, tiled_loss
 from autosp.bridge import BridgeResult
+from autosp.canon_attention import cross_entropy_reduction
 from autosp.canon import target_name
 from autosp.errors import AutospError, at_node
 
@@ -385,13 +386,18 @@ def _rewrite_target(fxn: fx.Node, name: str) -> Any:
 
 
 def _current_reduction(fxn: fx.Node) -> str:
-    if len(fxn.args) > 6:
-        return fxn.args[6]
-    return fxn.kwargs.get("reduction", "mean")
+    return cross_entropy_reduction(fxn)
 
 
 def _set_reduction(args: Any, kwargs: dict, reduction: str) -> tuple:
+    """F.cross_entropy's arguments with ``reduction``, the deprecated size_average and reduce
+    (which would override it) cleared."""
     args = list(args)
+    for i, key in ((3, "size_average"), (5, "reduce")):
+        if len(args) > i:
+            args[i] = None
+        elif key in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != key}
     if len(args) > 6:
         args[6] = reduction
     else:

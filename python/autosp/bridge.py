@@ -308,6 +308,11 @@ class _Converter:
                for a in operands):
             # x + 1: the core must not add the scalar on every rank to a partial sum.
             attrs = dict(attrs, scalar_operand=True)
+        if (is_pointwise(op) or op == "cross_entropy") and any(
+                isinstance(a, fx.Node) and not _is_tensor_node(a) for a in operands):
+            # x / s.shape[1], ignore_index=-n: a scalar computed in the graph, which the core
+            # does not see as an operand (the tiled loss replays only constant ones).
+            attrs = dict(attrs, scalar_from_graph=True)
         unbacked = _unbacked_symbols(node)
         if unbacked:
             # Sizes that depend on data (the count torch.where finds): a rank's count is not the

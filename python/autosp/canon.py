@@ -186,6 +186,9 @@ def canonicalize(node: fx.Node) -> Canon:
     if name in ("_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):
         # The plan needs the grad mode: a gradient sync placed in a no_grad region is lost.
         return "nontensor", [], {"grad_enabled": node.args[0]}
+    if name in ("_enter_autocast", "_exit_autocast"):
+        # torch.autocast regions: ops inside compute in another dtype than their operands'.
+        return "nontensor", [], {"autocast": 1 if name == "_enter_autocast" else -1}
     if name in _NONTENSOR or (not isinstance(ex, (torch.Tensor, tuple, list)) and not _tensor_inputs(node)):
         return ("sym_arith" if isinstance(ex, (torch.SymInt, int, float)) else "nontensor"), [], {}
     x = node.args[0] if node.args else None

@@ -40,15 +40,27 @@ def _c_flex(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     return _canon_flex(node)
 
 
+def cross_entropy_reduction(node: fx.Node) -> str:
+    """The reduction an F.cross_entropy call applies: ``reduction``, unless the deprecated
+    ``size_average``/``reduce`` are given, which then decide it (as torch does)."""
+    size_average, reduce = _arg(node, 3, "size_average"), _arg(node, 5, "reduce")
+    if size_average is not None or reduce is not None:
+        from torch.nn import _reduction
+
+        return _reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+    return str(_arg(node, 6, "reduction", "mean"))
+
+
 @_canon("cross_entropy")
 def _c_cross_entropy(node: fx.Node, name: str, x: Any, xr: int) -> Canon:
     ins = _optional_tensors(node, ("input", "target", "weight"))
     if ins[2][0] is None:
         ins = ins[:2]
-    return "cross_entropy", ins, {
-        "reduction": str(_arg(node, 6, "reduction", "mean")),
-        "ignore_index": _int(_arg(node, 4, "ignore_index", -100)),
-    }
+    ignore = _arg(node, 4, "ignore_index", -100)
+    attrs = {"reduction": cross_entropy_reduction(node), "ignore_index": _int(ignore)}
+    if isinstance(ignore, fx.Node):
+        attrs["ignore_index_from_graph"] = True  # a mean under SP needs its value: refused
+    return "cross_entropy", ins, attrs
 
 
 def _reads_head_index(gm: Any, index: int) -> bool:

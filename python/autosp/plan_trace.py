@@ -211,11 +211,11 @@ def trace_step(
     structure replication needs, all layers are traced (``TracedStep.replicated`` says which).
     ``tile_loss``: the loss computed as ``autosp.compile(tile_loss=True)`` computes it.
     """
-    import os
+    from autosp import tiled_loss
 
     # The tiled loss's chunks (autosp.tiled_loss.chunk_rows) decide its workspace.
     key = (config, sp_size, dtype, batch_size, replicate, tile_loss,
-           os.environ.get("AUTOSP_LOSS_TILE_ROWS") if tile_loss else None)
+           tiled_loss.env_rows() if tile_loss else None)
     if key in _TRACE_CACHE:
         return _TRACE_CACHE[key]
     import dataclasses

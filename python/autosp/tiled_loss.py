@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.errors import AutospError
 from autosp.tiled_attention import _autograd_inside_op
 
 # recipe key -> f(h_rows [n, D], weight, bias or None, targets [n], reduction) -> loss
@@ -43,10 +44,25 @@ def chunk_rows(rows: int, classes: int, hidden: int) -> int:
     ``[rows, hidden]`` they come from: the loss's working set then stays the size of one
     activation, whatever the vocabulary (``classes / hidden`` chunks; 32 for Llama-3's
     128256 / 4096)."""
-    env = os.environ.get("AUTOSP_LOSS_TILE_ROWS")
-    if env:
-        return max(1, int(env))
+    fixed = env_rows()
+    if fixed is not None:
+        return fixed
     return max(1, -(-rows * hidden // max(1, classes)))
+
+
+def env_rows() -> int | None:
+    """``AUTOSP_LOSS_TILE_ROWS`` as a positive int, None when unset; an AutospError otherwise."""
+    env = os.environ.get("AUTOSP_LOSS_TILE_ROWS", "").strip()
+    if not env:
+        return None
+    try:
+        rows = int(env)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise AutospError(f"[autosp:tiled_loss] found AUTOSP_LOSS_TILE_ROWS={env!r}; expected a "
+                          "positive integer (rows per chunk of the tiled loss), or unset")
+    return rows
 
 
 def _chunks(rows: int, classes: int, hidden: int) -> list[tuple[int, int]]:
@@ -74,9 +90,9 @@ def workspace(node: fx.Node) -> tuple[int, int, int] | None:
     k = 8 if forward else 12
     # The backward's fp32 accumulator of the weight's gradient, and one chunk's gradient.
     accumulator = 0 if forward else classes * hidden * (4 + weight.dtype.itemsize)
-    env = os.environ.get("AUTOSP_LOSS_TILE_ROWS")
-    if env:
-        return k * classes, k * classes * max(1, int(env)), accumulator
+    fixed = env_rows()
+    if fixed is not None:
+        return k * classes, k * classes * fixed, accumulator
     return k * hidden, 0, k * classes + accumulator
 
 
@@ -99,8 +115,8 @@ def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node)
     # label_smoothing): the core tiles only a loss without class weights.
     given = dict(zip(_CE_ARGS, ce.args))
     given.update(ce.kwargs)
-    if given.get("size_average") is not None or given.get("reduce") is not None:
-        raise AssertionError(f"tiled loss: {ce.name} uses the deprecated size_average/reduce")
+    # The deprecated size_average and reduce are resolved into the reduction the op is given
+    # (canon_attention.cross_entropy_reduction).
     kwargs = {k: given[k] for k in ("ignore_index", "label_smoothing") if k in given}
     for a in kwargs.values():
         if isinstance(a, fx.Node):
@@ -253,6 +269,7 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node 
          reduction: str) -> fx.Node:
     """The tiled loss standing for the cross-entropy node ``fxn`` (plan node ``cn``: inputs
     -1, targets, h, weight, bias)."""
+    env_rows()  # a bad AUTOSP_LOSS_TILE_ROWS stops the compile, not the first step
     key = build_recipe(bridge, list(cn.attrs["head_chain"]), list(cn.attrs["head_regroup"]), fxn)
     out = fxn.meta["example_value"]
     _, target, h, weight, bias = ins
