@@ -91,6 +91,15 @@ def nanogpt_returns_logits(m: Head, h: torch.Tensor, labels: torch.Tensor) -> ob
     return logits, loss
 
 
+def sizes_from_the_logits(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # reshape(b * s, v) with sizes read from the logits (the targets' reshape(b * s) was an
+    # internal error in apply once, tiled or not).
+    logits = m.lm_head(h)
+    b, s, v = logits.shape
+    t = _shifted(labels)
+    return F.cross_entropy(logits.reshape(b * s, v), t.reshape(b * s), reduction="sum") / (t != -100).sum()
+
+
 def z_loss(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # The float logits read twice (cross-entropy and a z-loss): not tiled, still exact.
     logits = m.lm_head(h).float().view(-1, VOCAB)
@@ -164,6 +173,7 @@ MODELS = [
     LossModel("softcap-smoothing-sum-bias", softcap_smoothing_sum, tiled=True, bias=True),
     LossModel("per-token-masked-mean-tied", per_token_masked_mean, tiled=True, tied=True),
     LossModel("nanogpt-returns-logits", nanogpt_returns_logits, tiled=True),
+    LossModel("sizes-from-the-logits", sizes_from_the_logits, tiled=True),
     LossModel("z-loss", z_loss, tiled=False),
 ]
 

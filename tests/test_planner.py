@@ -362,3 +362,25 @@ def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", "--model", "llama-9b", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert "autosp plan: error: [plan] unknown model 'llama-9b'" in err
+
+
+def test_matplotlib_is_a_dependency_and_checked_before_the_trace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`autosp plan` writes a PNG by default: after a plain install (no extras) the README's
+    command must work, so matplotlib is a requirement of autosp itself; where it is missing
+    anyway, the plan stops before its trace with a clear error, not after it."""
+    from importlib.metadata import requires
+
+    reqs = [r for r in requires("autosp") or [] if r.startswith("matplotlib")]
+    assert reqs and all("extra ==" not in r for r in reqs), reqs
+
+    def missing() -> Any:
+        raise AutospError("[plan] writing a plot needs matplotlib")
+
+    def no_trace(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("traced before checking matplotlib")
+
+    monkeypatch.setattr(planner, "_matplotlib", missing)
+    monkeypatch.setattr(planner, "trace_step", no_trace)
+    with pytest.raises(AutospError, match="needs matplotlib"):
+        planner.plan(TINY, gpus=2, plot="unused.png")

@@ -222,9 +222,10 @@ class _Replayer:
             # x.view(size) with size = torch.Size([...]) built in the graph (x.size()[:-1] +
             # (n,)): localise the sizes it is built from.
             args[1] = tuple(args[1].args[0])
-        elif len(args) == 2 and isinstance(args[1], fx.Node):
+        elif len(args) == 2 and isinstance(args[1], fx.Node) and isinstance(
+                args[1].meta.get("example_value", args[1].meta.get("val")), (tuple, list)):
             # x.reshape(y.shape): a torch.Size value (global, see collectives.global_size);
-            # take it apart to localise its entries.
+            # take it apart to localise its entries. (x.reshape(b * s): one size, below.)
             n = len(args[1].meta.get("example_value", args[1].meta.get("val", ())))
             args[1] = tuple(self.graph.call_function(operator.getitem, (args[1], i)) for i in range(n))
         flat = not (len(args) == 2 and isinstance(args[1], (tuple, list)))

@@ -274,6 +274,8 @@ def plan(
         )
     budget = parse_bytes(gpu_memory)
     chosen = _parse_strategies(strategies)
+    if plot is not None:
+        _matplotlib()  # before the trace: a missing plotting library fails in a second
     multiple = seq_multiple * sp // math.gcd(seq_multiple, sp)
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise AutospError(f"[plan] found seq_len={seq_len!r}; expected a positive integer")
@@ -338,9 +340,8 @@ def plan(
     return result
 
 
-def write_plot(result: PlanResult, path: str | Path) -> None:
-    """A PNG of predicted peak memory per rank against S, one line per strategy, with the
-    budget line."""
+def _matplotlib() -> Any:
+    """matplotlib.pyplot on the Agg backend, or an AutospError saying how to get it."""
     try:
         import matplotlib
 
@@ -348,9 +349,16 @@ def write_plot(result: PlanResult, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise AutospError(
-            "[plan] writing a plot needs matplotlib; expected it installed "
-            "(pip install 'autosp[plot]'), or pass --no-plot"
+            "[plan] writing a plot needs matplotlib, an autosp dependency; expected it "
+            "installed (pip install matplotlib), or pass --no-plot"
         ) from None
+    return plt
+
+
+def write_plot(result: PlanResult, path: str | Path) -> None:
+    """A PNG of predicted peak memory per rank against S, one line per strategy, with the
+    budget line."""
+    plt = _matplotlib()
     gib = float(1 << 30)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for s in result.strategies:
