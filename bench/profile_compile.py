@@ -9,6 +9,10 @@ reference Llama with ``--layers`` decoder layers (hidden 64, tiny) at sequence l
 - ``torch.compile``: the same model, the same backend, with no SP (``dynamic`` sequence dim
   marked, as autosp marks it).
 
+Each runs twice: cold (a fresh ``TORCHINDUCTOR_CACHE_DIR``: no FX graph, AOTAutograd or
+kernel cache) and warm (the same directory again, after ``torch._dynamo.reset()``: what a
+second process with the same model and S would find).
+
 Each first call runs under cProfile. Its time is split by the cumulative time of the
 functions that are stages of the pipeline: Dynamo's capture, autosp's decompose, bridge,
 plan (C++), apply, AOTAutograd's joint trace, the partitioner (autosp's or PyTorch's) and the
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -51,6 +57,11 @@ def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
         if func == name and file.replace("\\", "/").endswith(suffix):
             total = max(total, ct)  # recursive entries repeat the outermost time
     return total
+
+
+def _calls(stats: pstats.Stats, suffix: str, name: str) -> int:
+    return sum(cc for (file, _, func), (cc, _, _, _, _) in stats.stats.items()  # type: ignore[attr-defined]
+               if func == name and file.replace("\\", "/").endswith(suffix))
 
 
 def _profile(fn: Callable[[], Any]) -> tuple[float, pstats.Stats]:
@@ -108,24 +119,39 @@ def main() -> None:
         compiled = torch.compile(model, backend=args.backend, fullgraph=True)
         compiled(x, x).backward()
 
+    from torch._inductor import metrics
+
     results = {}
-    for name, step in (("torch.compile", torch_step), ("autosp", autosp_step)):
+    runs = [(f"{name}, {phase}", step, phase == "cold")
+            for name, step in (("torch.compile", torch_step), ("autosp", autosp_step))
+            for phase in ("cold", "warm")]
+    for name, step, cold in runs:
+        if cold:  # a fresh on-disk cache (Inductor's FX graph and AOTAutograd caches)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autosp-profile-")
         torch._dynamo.reset()
         plan_seconds[0] = 0.0
+        metrics.reset()
         wall, stats = _profile(step)
-        rows = {}
+        rows: dict[str, float] = {}
         for label, suffix, func in STAGES:
             rows[label] = plan_seconds[0] if suffix is None else _cumulative(stats, suffix, func or "")
+        rows["graphs compiled"] = _calls(stats, "torch/_inductor/compile_fx.py", "compile_fx_inner")
+        rows["kernels generated"] = metrics.generated_kernel_count
         results[name] = (wall, rows)
 
     print(f"first call (forward + backward), Llama {args.layers} layers, S {args.seq}, rank 0 of "
           f"sp {args.sp} (fake process group), backend {args.backend}; seconds under cProfile")
-    print(f"{'stage':<22} {'torch.compile':>14} {'autosp':>9}")
-    for label, _, _ in STAGES:
-        print(f"{label:<22} {results['torch.compile'][1][label]:>14.2f} {results['autosp'][1][label]:>9.2f}")
-    t_wall, a_wall = results["torch.compile"][0], results["autosp"][0]
-    print(f"{'first call, total':<22} {t_wall:>14.2f} {a_wall:>9.2f}   autosp / torch.compile "
-          f"= {a_wall / t_wall:.2f}x")
+    names = list(results)
+    print(f"{'stage':<20}" + "".join(f"{n:>22}" for n in names))
+    for label in results[names[0]][1]:
+        counts = label in ("graphs compiled", "kernels generated")
+        print(f"{label:<20}" + "".join(
+            f"{results[n][1][label]:>22.0f}" if counts else f"{results[n][1][label]:>22.2f}"
+            for n in names))
+    print(f"{'first call, total':<20}" + "".join(f"{results[n][0]:>22.2f}" for n in names))
+    for phase in ("cold", "warm"):
+        ratio = results[f"autosp, {phase}"][0] / results[f"torch.compile, {phase}"][0]
+        print(f"autosp / torch.compile, {phase}: {ratio:.2f}x")
     print("Stages nest (the dynamo capture holds the backend's work); the total is wall time.")
 
 
