@@ -350,8 +350,10 @@ def _zoo_worker(rank: int, world_size: int, archs: list[tuple[str, str]], seq_le
                 warnings.simplefilter("ignore")
                 model = build_model(model_type, class_name)
                 ref_model = copy.deepcopy(model)
+                # AUTOSP_ZOO_TILE_LOSS=1 (main's --tile-loss): the zoo with the tiled loss.
+                tile = os.environ.get("AUTOSP_ZOO_TILE_LOSS") == "1"
                 compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat="none",
-                                          backend="aot_eager")
+                                          backend="aot_eager", tile_loss=tile)
                 loss_err = 0.0
                 worst: tuple[float, str] = (0.0, "")
                 for batch_seed in BATCH_SEEDS:
@@ -382,6 +384,8 @@ def _zoo_worker(rank: int, world_size: int, archs: list[tuple[str, str]], seq_le
             except Exception:  # noqa: BLE001
                 rec["all_to_all"] = None
             rec["gathered"] = len(compiled.gathered)
+            if tile and rank == 0:
+                print(f"[zoo tile_loss] {model_type}: {compiled.loss_tiling}", flush=True)
             if compiled.gathered:
                 # "[autosp:pass] op 'pad' (F.pad) at file.py:282  code: found ..." -> op and line
                 rec["gathered_first"] = compiled.gathered[0].split("] ", 1)[-1].split("  ")[0][:160]
@@ -595,7 +599,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--precheck-only", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--tile-loss", action="store_true",
+                   help="compile with tile_loss=True (each result then says how its loss went)")
     args = p.parse_args()
+    if args.tile_loss:
+        os.environ["AUTOSP_ZOO_TILE_LOSS"] = "1"
     t0 = time.monotonic()
     if args.precheck_only:
         for model_type, class_name in causal_lm_types():

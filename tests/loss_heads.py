@@ -101,7 +101,8 @@ def sizes_from_the_logits(m: Head, h: torch.Tensor, labels: torch.Tensor) -> tor
 
 
 def z_loss(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # The float logits read twice (cross-entropy and a z-loss): not tiled, still exact.
+    # The float logits read twice (cross-entropy and a z-loss): made for the z-loss, the loss
+    # still tiled.
     logits = m.lm_head(h).float().view(-1, VOCAB)
     ce = F.cross_entropy(logits, _shifted(labels).reshape(-1))
     return ce + 1e-3 * torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -146,6 +147,13 @@ def legacy_reduce(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return per.sum() / (t != -100).sum()
 
 
+def legacy_size_average(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # size_average=True: a mean, which SP plans as a sum over the group's count (the
+    # deprecated argument must be cleared for that, or it overrides the sum).
+    return F.cross_entropy(m.lm_head(h).view(-1, VOCAB), _shifted(labels).reshape(-1),
+                           size_average=True)
+
+
 def divide_by_a_size(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = m.lm_head(h) / labels.shape[1]
     return F.cross_entropy(logits.reshape(-1, VOCAB), _shifted(labels).reshape(-1))
@@ -174,7 +182,7 @@ MODELS = [
     LossModel("per-token-masked-mean-tied", per_token_masked_mean, tiled=True, tied=True),
     LossModel("nanogpt-returns-logits", nanogpt_returns_logits, tiled=True),
     LossModel("sizes-from-the-logits", sizes_from_the_logits, tiled=True),
-    LossModel("z-loss", z_loss, tiled=False),
+    LossModel("z-loss", z_loss, tiled=True),
 ]
 
 TILED = "tiled: cross_entropy"  # in expect: this loss is tiled
@@ -187,6 +195,7 @@ REGRESSIONS = [
     LossModel("autocast-head", autocast_head, tiled=False, expect=("runs under torch.autocast",)),
     LossModel("soft-targets", soft_targets, tiled=False, expect=("class probabilities",)),
     LossModel("legacy-reduce-false", legacy_reduce, tiled=True),
+    LossModel("legacy-size-average", legacy_size_average, tiled=True),
     LossModel("divide-by-a-size", divide_by_a_size, tiled=False,
               expect=("not a row-wise op of the logits alone",)),
 ]

@@ -5,9 +5,10 @@
 // loss are [tokens, vocab]: at 128k tokens per rank and a 128k vocabulary, 64 GiB in fp32.
 // When the loss's logits come from a linear (lm_head) through row-wise ops only (casts such
 // as .float(), pointwise ops with constant operands such as soft-capping, reshapes keeping
-// the class dim) and nothing else reads them, the cross_entropy node takes the linear's
-// operands instead (attribute head_chain) and the apply stage runs linear, those ops and the
-// loss one chunk of rows at a time, recomputing each chunk in backward (tiled_loss.py). Each
+// the class dim), the cross_entropy node takes the linear's operands instead (attribute
+// head_chain) and the apply stage runs linear, those ops and the loss one chunk of rows at a
+// time, recomputing each chunk in backward (tiled_loss.py); logits also read elsewhere
+// (returned by the model, a z-loss) are still made for that reader. Each
 // row's loss is the computation one device does for that row, so the result is the untiled
 // loss up to the order of the sum over rows.
 #include <algorithm>
@@ -61,6 +62,7 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
     return refuse("its logits are " + shape_str(logits.shape) +
                   ", not [tokens, classes] with a static number of classes");
   const Dim classes = logits.shape[1];
+  bool shared = false;           // a value of the chain is read elsewhere too
   std::vector<int64_t> chain;    // from the loss back to the linear
   std::vector<int64_t> regroup;  // per chain node: 1 for a reshape (a chunk keeps its rows)
   int v = ce.inputs[0];
@@ -68,11 +70,9 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
     const int p = in_.producer(v);
     if (p < 0) return refuse("its logits are an input of the graph, not computed in it");
     const Node& m = in_.nodes[static_cast<size_t>(p)];
-    // The projection's own result may be read elsewhere (returned logits): it then stays, and
-    // the loss recomputes it chunk by chunk. A value between it and the loss may not.
-    if (m.op != "linear" && uses_[static_cast<size_t>(v)] != 1)
-      return refuse("the logits made by " + where(m) +
-                    " are read elsewhere too (by another op, or returned by the model)");
+    // A value of the chain may be read elsewhere (returned logits, a z-loss): it then stays
+    // for that reader, and the loss recomputes the chain chunk by chunk.
+    shared = shared || uses_[static_cast<size_t>(v)] > 1;
     if (in_autocast_[static_cast<size_t>(m.id)])
       return refuse(where(m) + " runs under torch.autocast, which the chunks would not replay");
     // A later in-place write into h, the logits or a view of them: the chunks, computed from h
@@ -134,12 +134,12 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
   tile.regroup = std::move(regroup);
   tile.inputs = out_.nodes[static_cast<size_t>(at)].inputs;
   tile.inputs.resize(3, -1);
-  const bool shared = uses_[static_cast<size_t>(linear.outputs[0])] > 1;
+  shared = shared || uses_[static_cast<size_t>(linear.outputs[0])] > 1;
   loss_tiling_.push_back("tiled: cross_entropy " + where(ce) + " over the projection " +
                          where(linear) + " (" + std::to_string(tile.chain.size() - 1) +
                          " row-wise ops between" +
                          (shared ? "; its logits are also read elsewhere, so they are still made "
-                                   "once, and the loss recomputes them chunk by chunk"
+                                   "once for that, and the loss recomputes them chunk by chunk"
                                  : "") +
                          ")");
   return tile;

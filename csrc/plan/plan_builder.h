@@ -57,7 +57,7 @@ class PlanBuilder {
 
  private:
   // Tiled loss (SpConfig::tile_loss, loss.cpp): a cross-entropy whose logits come from a
-  // linear through row-wise ops (values between them read by nothing else). `chain`: the
+  // linear through row-wise ops. `chain`: the
   // input-graph node ids, the linear first; `regroup`: per chain node, 1 for a reshape keeping
   // the class dim (a chunk of rows stays [rows, classes] through it: skipped when replayed);
   // `inputs`: the plan values of the linear's operands (h, weight, bias or -1).

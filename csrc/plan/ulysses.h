@@ -70,8 +70,8 @@ struct SpConfig {
   // reshapes that keep the class dim, then the loss) runs as one tiled op over chunks of this
   // rank's tokens (the cross_entropy node with attribute head_chain):
   // the [tokens, classes] logits never exist whole, and the backward recomputes each chunk's
-  // logits. A loss whose logits are read elsewhere (returned by the model) is left as written,
-  // with the reason in SpPlan::loss_tiling.
+  // logits (logits also read elsewhere are still made for that reader). A loss the chunks
+  // could not reproduce is left as written, with the reason in SpPlan::loss_tiling.
   bool tile_loss = false;
 };
 
