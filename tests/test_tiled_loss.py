@@ -10,9 +10,10 @@ chunks and a ragged last one. ``loss_tiling`` must say which losses were tiled.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -22,6 +23,28 @@ from distributed import assert_grads_close, grads_of, make_batch, run_ranks, tin
 
 SEQ = 16
 TILE_ROWS = "5"
+
+
+@contextlib.contextmanager
+def _rank0_of_2(tile_rows: str | None) -> Iterator[Any]:
+    """This process as rank 0 of 2 against a fake process group (collectives allocate, do not
+    communicate: the memory is real), with AUTOSP_LOSS_TILE_ROWS set to ``tile_rows``; yields
+    the mesh."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    if tile_rows:
+        os.environ["AUTOSP_LOSS_TILE_ROWS"] = tile_rows
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield autosp.init_mesh(2)
+    finally:
+        os.environ.pop("AUTOSP_LOSS_TILE_ROWS", None)
+        dist.destroy_process_group()
 
 
 def _step(model: torch.nn.Module, fn: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
@@ -163,34 +186,23 @@ def test_tiling_removes_the_logits_from_the_measured_peak() -> None:
     and peak (autosp.measure), untiled and tiled. The untiled forward saves this rank's fp32
     logits' log-softmax ([1024, 8192]: 32 MiB) and its peak holds them about twice; tiled, the
     saved bytes drop by at least those 32 MiB and the peak by at least 1.5 times that."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import autosp
     from autosp import measure
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
     seq, vocab = 2048, 8192
     logits_bytes = seq // 2 * vocab * 4
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_layers=1,
                       num_heads=4, num_kv_heads=2)
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     measured = {}
-    try:
-        mesh = autosp.init_mesh(2)
-        os.environ["AUTOSP_LOSS_TILE_ROWS"] = "128"
+    with _rank0_of_2("128") as mesh:
         for tile in (False, True):
             torch._dynamo.reset()
             torch.manual_seed(0)
             model = LlamaForCausalLM(cfg)
             compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", tile_loss=tile)
             measured[tile] = measure.train_step_memory(model, compiled, ids, ids)
-    finally:
-        os.environ.pop("AUTOSP_LOSS_TILE_ROWS", None)
-        dist.destroy_process_group()
     print(f"untiled {measured[False]}, tiled {measured[True]}")
     assert measured[False].saved_bytes - measured[True].saved_bytes >= logits_bytes
     assert measured[False].peak_bytes - measured[True].peak_bytes >= 1.5 * logits_bytes
@@ -202,25 +214,16 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
     autosp.tiled_loss.workspace) against a real step on rank 0 of 2 (fake process group):
     saved bytes exact, the peak within 10%, tiled and untiled, with the default chunks and
     with 128 rows per chunk (measured: +0.1% untiled; -4% and -1% tiled)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import autosp
     from autosp import _core, measure, planner
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
     from autosp.plan_trace import trace_step
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
     seq, vocab = 1024, 4096
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_layers=1,
                       num_heads=4, num_kv_heads=2)
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
-    if rows:
-        os.environ["AUTOSP_LOSS_TILE_ROWS"] = rows
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        mesh = autosp.init_mesh(2)
+    with _rank0_of_2(rows) as mesh:
         for tile in (False, True):
             torch._dynamo.reset()
             torch.manual_seed(0)
@@ -235,9 +238,6 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
             print(f"tile_loss={tile}: predicted {predicted.peak}, measured {measured.peak_bytes}")
             assert predicted.saved_bytes == measured.saved_bytes
             assert abs(predicted.peak - measured.peak_bytes) <= 0.10 * measured.peak_bytes
-    finally:
-        os.environ.pop("AUTOSP_LOSS_TILE_ROWS", None)
-        dist.destroy_process_group()
 
 
 def _errors_worker(rank: int, world: int) -> list[str]:

@@ -21,17 +21,17 @@ within 2^28 elements (a single tile, i.e. one SDPA call, when the whole mask fit
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import operator
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from autosp.canon import target_name
+from autosp.tiled_ops import Recipes, autograd_inside_op
 
 # How a chain node's replay on rows [start, end) differs from the op as written (the core's
 # enum How in mask_tiles.cpp).
@@ -40,7 +40,7 @@ _PLAIN, _EXPAND_SIZE, _FACTORY_SIZE, _TRIL_ROWS, _TRIL_COLS, _EYE_ROWS, _RESHAPE
 #: Mask tile size when AUTOSP_MASK_TILE_ROWS is not set: at most this many mask elements.
 TILE_ELEMENTS = 1 << 28
 
-_RECIPES: dict[int, Callable[..., torch.Tensor]] = {}
+_RECIPES = Recipes("mask recipe")
 
 
 def tile_rows(batch: int, keys: int) -> int:
@@ -180,13 +180,6 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
     return key, syms
 
 
-def _recipe(key: int) -> Callable[..., torch.Tensor]:
-    try:
-        return _RECIPES[key]
-    except KeyError:
-        raise AssertionError(f"mask recipe {key} is not registered in this process") from None
-
-
 def _tiles(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
     rows, keys = q.shape[-2], k.shape[-2]
     t = tile_rows(q.shape[0] if q.dim() == 4 else 1, keys)
@@ -194,7 +187,7 @@ def _tiles(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _mask(key: int, s: int, e: int, leaves: list[torch.Tensor], syms: list[int]) -> torch.Tensor:
-    return _recipe(key)(s, e, *leaves, *syms)
+    return _RECIPES[key](s, e, *leaves, *syms)
 
 
 @torch.library.custom_op("autosp::tiled_scaled_dot_product_attention", mutates_args=())
@@ -214,22 +207,6 @@ def _(q, k, v, leaves, syms, recipe, scale, enable_gqa):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-@contextlib.contextmanager
-def _autograd_inside_op() -> Iterator[None]:
-    """Autograd within a custom op's kernel, which the dispatcher runs below the autograd keys
-    (excluded in the thread-local dispatch state): re-included for the block, restored after."""
-    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
-            torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView]
-    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
-    for k in keys:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
-    try:
-        yield
-    finally:
-        for k, b in zip(keys, before):
-            torch._C._dispatch_tls_set_dispatch_key_excluded(k, b)
-
-
 @torch.library.custom_op("autosp::tiled_scaled_dot_product_attention_backward", mutates_args=())
 def tiled_sdpa_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         leaves: list[torch.Tensor], syms: list[int], recipe: int, scale: float | None,
@@ -241,7 +218,7 @@ def tiled_sdpa_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     acc = torch.promote_types(k.dtype, torch.float32)
     dk = torch.zeros_like(k, dtype=acc)
     dv = torch.zeros_like(v, dtype=acc)
-    with _autograd_inside_op(), torch.enable_grad():
+    with autograd_inside_op(), torch.enable_grad():
         kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
         for s, e in _tiles(q, k):
             qt = q[..., s:e, :].detach().requires_grad_()

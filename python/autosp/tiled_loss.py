@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.canon import _arg
 from autosp.errors import AutospError
-from autosp.tiled_attention import _autograd_inside_op
+from autosp.tiled_ops import Recipes, autograd_inside_op
 
 # recipe key -> f(h_rows [n, D], weight, bias or None, targets [n], reduction) -> loss
-_RECIPES: dict[int, Callable[..., torch.Tensor]] = {}
+_RECIPES = Recipes("loss recipe")
 
 
 def chunk_rows(rows: int, classes: int, hidden: int) -> int:
@@ -112,12 +113,11 @@ def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node)
             raise AssertionError(f"tiled loss: {fxn.name} reads {others} besides the logits")
         ops.append((fxn.target, fxn.op, fxn.args, dict(fxn.kwargs), path))
     # F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction,
-    # label_smoothing): the core tiles only a loss without class weights.
-    given = dict(zip(_CE_ARGS, ce.args))
-    given.update(ce.kwargs)
-    # The deprecated size_average and reduce are resolved into the reduction the op is given
+    # label_smoothing): the core tiles only a loss without class weights; the deprecated
+    # size_average and reduce are resolved into the reduction the op is given
     # (canon_attention.cross_entropy_reduction).
-    kwargs = {k: given[k] for k in ("ignore_index", "label_smoothing") if k in given}
+    kwargs = {"ignore_index": _arg(ce, 4, "ignore_index", -100),
+              "label_smoothing": _arg(ce, 7, "label_smoothing", 0.0)}
     for a in kwargs.values():
         if isinstance(a, fx.Node):
             raise AssertionError(f"tiled loss: {ce.name} has an operand computed in the graph")
@@ -133,18 +133,8 @@ def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node)
     desc = repr(([(str(t), k, _describe(a), _describe(kw), p) for t, k, a, kw, p in ops],
                  _describe(kwargs)))
     key = int(hashlib.sha1(desc.encode()).hexdigest()[:12], 16)
-    _RECIPES[key] = run
+    _RECIPES.setdefault(key, run)
     return key
-
-
-_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
-            "label_smoothing")
-
-
-def ignore_index(ce: fx.Node) -> int:
-    given = dict(zip(_CE_ARGS, ce.args))
-    given.update(ce.kwargs)
-    return int(given.get("ignore_index", -100))
 
 
 def _describe(x: Any) -> str:
@@ -168,13 +158,6 @@ def _with_operand(args: tuple, kwargs: dict, path: tuple, x: torch.Tensor) -> tu
     return a, k
 
 
-def _recipe(key: int) -> Callable[..., torch.Tensor]:
-    try:
-        return _RECIPES[key]
-    except KeyError:
-        raise AssertionError(f"loss recipe {key} is not registered in this process") from None
-
-
 def _rows(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return h.reshape(-1, h.shape[-1]), t.reshape(-1)
 
@@ -196,9 +179,10 @@ def tiled_head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows at a time. ``reduction``: "sum", "mean" (over the targets not equal to
     ``ignore_index``, as F.cross_entropy) or "none" (one loss per row)."""
     h2, t = _rows(h, target)
-    run = _recipe(recipe)
+    run = _RECIPES[recipe]
     each = "none" if reduction == "none" else "sum"
-    parts = [run(h2[s:e], weight, bias, t[s:e], each) for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1])]
+    parts = [run(h2[s:e], weight, bias, t[s:e], each)
+             for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1])]
     return _reduce(parts, t, reduction, ignore_index, h2.new_zeros((), dtype=out_dtype)).to(out_dtype)
 
 
@@ -216,7 +200,7 @@ def tiled_head_loss_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.
     recomputed and back-propagated; the weight's and bias's summed over chunks in fp32, as one
     matmul's backward accumulates them."""
     h2, t = _rows(h, target)
-    run = _recipe(recipe)
+    run = _RECIPES[recipe]
     dh = torch.empty_like(h2)
     acc = torch.promote_types(weight.dtype, torch.float32)
     dw = torch.zeros_like(weight, dtype=acc)
@@ -224,7 +208,7 @@ def tiled_head_loss_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.
     g = grad
     if reduction == "mean":
         g = grad / (t != ignore_index).sum()
-    with _autograd_inside_op(), torch.enable_grad():
+    with autograd_inside_op(), torch.enable_grad():
         w = weight.detach().requires_grad_()
         b = bias.detach().requires_grad_() if bias is not None else None
         for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1]):
@@ -274,7 +258,8 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node 
     out = fxn.meta["example_value"]
     _, target, h, weight, bias = ins
     return graph.call_function(torch.ops.autosp.tiled_head_loss.default,
-                               (h, weight, bias, target, key, reduction, ignore_index(fxn), out.dtype))
+                               (h, weight, bias, target, key, reduction,
+                                int(cn.attrs["ignore_index"]), out.dtype))
 
 
 def _register_flops() -> None:
