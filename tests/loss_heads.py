@@ -141,6 +141,13 @@ def soft_targets(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(m.lm_head(h).reshape(-1, VOCAB), probs)
 
 
+def soft_targets_3d(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # [B, V, S] logits and probabilities (the class dim 1): the probabilities' sharded dim is
+    # the logits', not the one class indices would have (an internal error at world 2 once).
+    probs = F.one_hot(labels.clamp(min=0), VOCAB).float().transpose(1, 2)
+    return F.cross_entropy(m.lm_head(h).transpose(1, 2), probs, label_smoothing=0.05)
+
+
 def legacy_reduce(m: Head, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     t = _shifted(labels).reshape(-1)
     per = F.cross_entropy(m.lm_head(h).view(-1, VOCAB), t, reduce=False)  # = reduction="none"
@@ -194,6 +201,7 @@ REGRESSIONS = [
     LossModel("detached-logits", detached_logits, tiled=False, expect=("gradients stop", TILED)),
     LossModel("autocast-head", autocast_head, tiled=False, expect=("runs under torch.autocast",)),
     LossModel("soft-targets", soft_targets, tiled=False, expect=("class probabilities",)),
+    LossModel("soft-targets-3d", soft_targets_3d, tiled=False, expect=("class probabilities",)),
     LossModel("legacy-reduce-false", legacy_reduce, tiled=True),
     LossModel("legacy-size-average", legacy_size_average, tiled=True),
     LossModel("divide-by-a-size", divide_by_a_size, tiled=False,

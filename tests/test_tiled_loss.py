@@ -118,8 +118,10 @@ TILED = {m.name: m.tiled for m in loss_heads.MODELS}
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_tiled_loss_is_exact(world: int) -> None:
-    results = run_ranks(world, _worker, list(TILED), True)
-    _check(results, {**TILED, "llama": True})
+    # + 3-D class-probability targets, not tiled: an internal error at world 2 once.
+    soft3d = {"soft-targets-3d": REGRESSIONS["soft-targets-3d"]}
+    results = run_ranks(world, _worker, list(TILED) + list(soft3d), True)
+    _check(results, {**TILED, **soft3d, "llama": True})
 
 
 REGRESSIONS = {m.name: m.expect or m.tiled for m in loss_heads.REGRESSIONS}
@@ -129,10 +131,15 @@ REGRESSIONS = {m.name: m.expect or m.tiled for m in loss_heads.REGRESSIONS}
 def test_forms_that_must_not_be_tiled_are_refused_and_exact(world: int) -> None:
     """A breaker's findings, each silently wrong (or a raw error) once: a write into the
     logits through a view, the projection under torch.no_grad or .detach(), under autocast,
-    class-probability targets (whose untiled mean was also wrong), a scalar computed in the
+    class-probability targets (whose untiled mean was also wrong; 3-D ones were an internal
+    error at world 2), a scalar computed in the
     graph; and the deprecated reduce=False (planned as a mean once, untiled too), tiled."""
-    results = run_ranks(world, _worker, list(REGRESSIONS), False)
-    _check(results, REGRESSIONS)
+    # At world 2 the autocast model's lm_head gradient differs from one device's by bf16
+    # rounding (2.7e-3, untiled too: each rank rounds its partial sum to bf16): checked at
+    # world 1 only, where it is exact.
+    cases = {k: v for k, v in REGRESSIONS.items() if world == 1 or k != "autocast-head"}
+    results = run_ranks(world, _worker, list(cases), False)
+    _check(results, cases)
 
 
 def test_returned_logits_are_said_to_be_made_once_more() -> None:

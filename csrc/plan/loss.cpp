@@ -50,9 +50,13 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
   };
   if (ce.inputs.size() > 2 && ce.inputs[2] >= 0) return refuse("it has class weights");
   const Value& targets = in_.value(ce.inputs[1]);
-  if (targets.rank() != 1 || is_float(targets.dtype))
-    return refuse("its targets are " + targets.dtype + shape_str(targets.shape) +
-                  " (class probabilities?), not one class index per row");
+  if (is_float(targets.dtype))
+    return refuse("its targets are class probabilities (" + targets.dtype +
+                  shape_str(targets.shape) + "), not one class index per row");
+  if (targets.rank() != 1)
+    return refuse("its targets are " + shape_str(targets.shape) +
+                  ", not one per row of [tokens, "
+                  "classes] logits");
   if (ce.bool_attr("scalar_from_graph", false))
     return refuse("an argument of it is computed in the graph (ignore_index from a size?)");
   if (in_autocast_[static_cast<size_t>(ce.id)])
@@ -194,7 +198,8 @@ void PlanBuilder::emit_cross_entropy(const Node& n) {
       (x.rank() == 2 && px.dim != 0))
     throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
                     "logits sharded along the token dim ([N, C] sharded on N)");
-  const int tdim = px.dim == 0 ? 0 : px.dim - 1;
+  // Class indices lack the class dim (1); class probabilities have the logits' shape.
+  const int tdim = px.dim == 0 || is_float(val(ins[1]).dtype) ? px.dim : px.dim - 1;
   if (pt.is_shard() && !(pt == Placement::shard(tdim, px.inner)))
     throw PlanError(kPass, n, "targets placed " + pt.str() + " and logits placed " + px.str(),
                     "targets sharded like the logits' token dim");
