@@ -64,6 +64,20 @@ def _set_path(args: list, kwargs: dict, path: tuple, value: Any) -> None:
     cont[rest[-1]] = value
 
 
+# Inserted SP ops whose result stands for the same single-device value as their operand (a
+# chunk of it, its gradient sync, its gather, its exchange): such a node gets its operand's
+# meta, the convention of copied nodes (the example value is the single-device value). The
+# caches take method calls only on nodes with an example value (autosp.compile_cache).
+_SAME_VALUE_OPS = {"sp.slice", "sp.grad_sync", "sp.reduce_partial", "sp.all_gather", "sp.check_index",
+                   "sp.scan"}
+
+
+def _stands_for(node: fx.Node, operand: Any) -> fx.Node:
+    if isinstance(operand, fx.Node) and "example_value" in operand.meta:
+        node.meta["example_value"] = operand.meta["example_value"]
+    return node
+
+
 _SIZE_ARG_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_empty", "new_zeros", "new_ones",
                      "new_full"}
 
@@ -280,7 +294,7 @@ class _Replayer:
         elif op == "sp.grad_sync" and len(ins) > 1:
             tup = g.call_function(collectives.grad_sync_many, (tuple(ins), ctx.group))
             for i, vid in enumerate(cn.outputs):
-                self.env[vid] = g.call_function(operator.getitem, (tup, i))
+                self.env[vid] = _stands_for(g.call_function(operator.getitem, (tup, i)), ins[i])
             return
         elif op == "sp.grad_sync":
             node = g.call_function(collectives.grad_sync, (ins[0], ctx.group))
@@ -295,7 +309,7 @@ class _Replayer:
             tup = g.call_function(collectives.all_to_all,
                                   (tuple(ins), a["scatter_dim"], a["gather_dim"], ctx.group, ctx.world))
             for i, vid in enumerate(cn.outputs):
-                self.env[vid] = g.call_function(operator.getitem, (tup, i))
+                self.env[vid] = _stands_for(g.call_function(operator.getitem, (tup, i)), ins[i])
             return
         elif op == "sp.repeat_heads":
             node = g.call_function(collectives.repeat_heads, (ins[0], a["dim"], a["repeats"]))
@@ -315,6 +329,8 @@ class _Replayer:
                 node = g.call_function(operator.truediv, (ins[0], divisor))
         else:
             raise AssertionError(f"unknown inserted op {op}")
+        if op in _SAME_VALUE_OPS:
+            _stands_for(node, ins[0])
         for vid in cn.outputs:
             self.env[vid] = node
 

@@ -50,12 +50,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from autosp import _core
+from autosp.compile_cache import load_reports, marked_cacheable, report_key, save_reports, source_hash
 from autosp.errors import AutospError
 from autosp.remat_facts import SizeFn, _partitioners, gather_facts, node_flops
 from autosp.remat_policy import (BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES,
@@ -283,10 +283,10 @@ def make_partition_fn(
 
 
 def _cache_key(policy: RematPolicy, recompute_flops_ratio: float) -> str:
-    h = hashlib.sha256()
-    h.update(Path(__file__).read_bytes())
-    h.update(Path(_core.__file__).read_bytes())
-    h.update(repr((_policy_name(policy), float(recompute_flops_ratio))).encode())
+    h = hashlib.sha256(source_hash().encode())
+    # A budget by its exact value (its display name rounds the fraction).
+    h.update(repr((policy if isinstance(policy, MemoryBudget) else str(policy),
+                   float(recompute_flops_ratio))).encode())
     return h.hexdigest()
 
 
@@ -350,7 +350,10 @@ def compile_joint(
     ``custom_partitioner_fn`` hook, so Inductor's joint-graph passes still run first) or eager
     execution of the forward and backward graphs (``backend="aot_eager"``).
 
-    With a ``report``, Inductor's caches are bypassed so that the partitioner runs and reports.
+    PyTorch's AOTAutograd and FX graph caches take these graphs (autosp.compile_cache). A
+    ``report`` gets the partition's report also on a cache hit: the one saved beside the cache
+    when the partition was made, or, where there is none, by compiling again without the
+    graph-level caches.
     """
     if backend not in BACKENDS:
         raise AutospError(
@@ -379,20 +382,38 @@ def compile_joint(
     partitioner = AutospRematPartitioner(
         policy, recompute_flops_ratio, report=report, partition_fn=partition_fn
     )
-    if report is None:
-        with inductor_config.patch(custom_partitioner_fn=partitioner):
+    # autosp's SP functions in the graph get a key (autosp.compile_cache), so that AOTAutograd's
+    # cache takes the graph rather than bypassing it.
+    cacheable = marked_cacheable()
+    with inductor_config.patch(custom_partitioner_fn=partitioner,
+                               unsafe_marked_cacheable_functions=cacheable):
+        if report is None:
             return compile_fx(gm, example_inputs)
-    # A report is filled only when the partitioner runs: bypass the graph-level caches (compiled
-    # kernels stay cached).
+        # A report is filled when the partitioner runs; on a cache hit it is read back from
+        # beside the cache (autosp.compile_cache), or, where it is not there, the graph is
+        # compiled again with the graph-level caches off (compiled kernels stay cached).
+        key = report_key(gm, example_inputs, partitioner.uuid())
+        before = len(report.graphs)
+        compiled = compile_fx(gm, example_inputs)
+        if len(report.graphs) > before:
+            save_reports(key, report.graphs[before:])
+            return compiled
+        stored = load_reports(key)
+        if stored is not None:
+            report.graphs.extend(stored)
+            return compiled
     from torch._functorch import config as functorch_config
 
     with (
         inductor_config.patch(
-            custom_partitioner_fn=partitioner, fx_graph_cache=False, fx_graph_remote_cache=False
+            custom_partitioner_fn=partitioner, fx_graph_cache=False, fx_graph_remote_cache=False,
+            unsafe_marked_cacheable_functions=cacheable,
         ),
         functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
     ):
-        return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs)
+    save_reports(key, report.graphs[before:])
+    return compiled
 
 
 def backend(

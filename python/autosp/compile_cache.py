@@ -1,0 +1,120 @@
+"""What makes autosp's graphs cacheable by PyTorch's compile caches across processes.
+
+A second process that compiles the same model at the same shapes should reuse the first one's
+work: AOTAutograd's cache (the joint trace, the partition, and the compiled forward and
+backward) and Inductor's FX graph cache. Two things decide whether it can:
+
+- **autosp's functions in the graph.** The apply stage inserts calls to the SP ops of
+  :mod:`autosp.collectives` (``local_chunk``, ``grad_sync``, ...). AOTAutograd caches a graph
+  only when it can trust every function it calls to behave as its name says; for functions
+  outside torch it needs a key, through ``torch._inductor.config.unsafe_marked_cacheable_functions``.
+  :func:`marked_cacheable` gives each of them :func:`source_hash`, which is part of every cache
+  key, so an autosp of other code never reads entries this one wrote.
+- **autosp's partitioner.** Its identity in the key (``AutospRematPartitioner.uuid``) is the
+  policy and :func:`source_hash`.
+
+Everything else in the key is the applied graph itself (the plan, the rank, the group) and
+its example inputs, which AOTAutograd hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    """A hash of autosp's code: every Python module of the package and the compiled core.
+    Computed once per process (about 5 ms)."""
+    from autosp import _core
+
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(_PACKAGE)).encode())
+        h.update(path.read_bytes())
+    h.update(Path(_core.__file__).read_bytes())
+    return h.hexdigest()
+
+
+def graph_functions() -> list[Callable]:
+    """The public functions of :mod:`autosp.collectives`: what the apply stage may insert into
+    a graph (the tiled ops are torch custom ops, which the caches accept by name)."""
+    from autosp import collectives
+
+    return [fn for name, fn in inspect.getmembers(collectives, inspect.isfunction)
+            if fn.__module__ == collectives.__name__ and not name.startswith("_")]
+
+
+def marked_cacheable() -> dict[str, str]:
+    """``unsafe_marked_cacheable_functions`` with autosp's graph functions added, keyed by
+    :func:`source_hash` (the entries already there are kept)."""
+    from torch._inductor import config as inductor_config
+
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    for fn in graph_functions():
+        marked[f"{fn.__module__}.{fn.__name__}"] = source_hash()
+    return marked
+
+
+# -- remat reports across cache hits -----------------------------------------------------------
+#
+# A RematReport is filled by autosp's partitioner, which a cache hit skips. So that a report
+# (and `autosp train`'s MFU, read from it) survives a hit, the report of each partition is kept
+# beside PyTorch's caches, under a key of what the partition depends on: the partitioner's
+# identity (policy and source_hash) and the graph with its inputs' types. A hit whose report is
+# not there is compiled again without the caches (compile_joint).
+
+
+def report_key(gm: Any, example_inputs: Sequence[Any], partitioner_uuid: str) -> str:
+    h = hashlib.sha256(partitioner_uuid.encode())
+    h.update(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            h.update(repr((tuple(map(str, x.shape)), tuple(map(str, x.stride())), str(x.dtype),
+                           x.requires_grad)).encode())
+        else:
+            h.update(repr(type(x)).encode())
+    return h.hexdigest()
+
+
+def _report_path(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "autosp_remat_reports" / f"{key}.json"
+
+
+def save_reports(key: str, graphs: Sequence[Any]) -> None:
+    """Writes the reports of one compilation (best effort: a read-only cache only costs a
+    recompilation later)."""
+    path = _report_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([dataclasses.asdict(g) for g in graphs]))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def load_reports(key: str) -> list[Any] | None:
+    """The reports :func:`save_reports` wrote under ``key``, or None."""
+    from autosp.remat_policy import GraphRematReport, LayerRemat, NodeRemat
+
+    try:
+        raw = json.loads(_report_path(key).read_text())
+        return [GraphRematReport(**dict(g, layers=tuple(LayerRemat(**x) for x in g["layers"]),
+                                        nodes=tuple(NodeRemat(**x) for x in g["nodes"])))
+                for g in raw]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

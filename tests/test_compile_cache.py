@@ -1,0 +1,142 @@
+"""PyTorch's compile caches take autosp's graphs (autosp.compile_cache, issue 12).
+
+- In one process, against a fake process group: the graph each rank runs, for every
+  hand-written style, passes AOTAutograd's own cacheability check. An SP function missing
+  from the marked set, or an inserted node a method is called on without an example value,
+  would make AOTAutograd bypass its cache silently (only a log line says so).
+- At world 2 with Inductor: a second set of processes with the same model, length and cache
+  directory takes the compiled graphs from AOTAutograd's cache (counted, not timed), is as
+  exact as the first against one device (with the tiled loss, whose recipe the cached code
+  looks up by key), and still gets the remat report (MFU reads it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import styles
+from autosp import _core
+from autosp.apply import RankContext, apply_plan
+from autosp.bridge import fx_to_core
+from autosp.compile_cache import graph_functions, load_reports, marked_cacheable, report_key, save_reports, source_hash
+from autosp.decompose import decompose_composites
+from autosp.plan_trace import _fake_sp_group
+from distributed import assert_step_exact, build_model, make_batch, run_ranks, step_against_reference, tiny_config
+
+
+class _Done(Exception):
+    """Raised by the test backend once the applied graph is checked: nothing compiles."""
+
+
+def _applied_graph_cacheable(style: styles.Style, seq_len: int = 16) -> None:
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(0)
+    model = style.build()
+    args = style.inputs(0, seq_len)
+    for t in args:
+        if t.dim() >= 2 and t.shape[1] == seq_len:
+            torch._dynamo.mark_dynamic(t, 1)
+
+    def backend(gm: Any, example_inputs: list[Any]) -> Any:
+        decompose_composites(gm)
+        bridge = fx_to_core(gm, list(example_inputs), 1)
+        cfg = _core.SpConfig()
+        cfg.sp_size = 2
+        cfg.gather_unsupported = True
+        plan = _core.plan_ulysses(bridge.graph, cfg)
+        applied = apply_plan(gm, bridge, plan, RankContext(rank=0, world=2, group=_fake_sp_group(2)))
+        with inductor_config.patch(unsafe_marked_cacheable_functions=marked_cacheable(), fx_graph_cache=True):
+            check_cacheable(applied)  # raises BypassAOTAutogradCache with the reason
+        raise _Done()
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
+        torch.compile(model, backend=backend, fullgraph=True)(*args)
+    if not isinstance(getattr(failed.value, "inner_exception", None), _Done):
+        raise failed.value
+
+
+# Styles whose graphs hold what the apply stage inserts: slices, gradient syncs, all-to-alls,
+# gathers, shifts, scans, halos, token-local routing, index checks, tiled masks, dropout.
+CACHE_STYLES = ["nanogpt", "llama-scratch-complex-rope", "shift-inside", "bert-masked-mean-ce",
+                "cumsum-mixer", "moe-index-add-aux", "flex-doc-mask", "nanogpt-attention-by-hand",
+                "padded-causal-4d-mask", "mamba2-chunked-ssd-hybrid", "causal-conv1d-mixer",
+                "nn-transformer-encoder", "packed-docs-llama"]
+
+
+@pytest.mark.parametrize("name", CACHE_STYLES)
+def test_applied_graph_passes_aot_autograds_cacheability_check(name: str) -> None:
+    styles.allow_flex_backward_on_cpu()
+    _applied_graph_cacheable(styles.ALL[name])
+
+
+def test_marked_functions_are_the_collectives_keyed_by_the_source_hash() -> None:
+    marked = marked_cacheable()
+    names = {f"{fn.__module__}.{fn.__name__}" for fn in graph_functions()}
+    assert {"autosp.collectives.local_chunk", "autosp.collectives.all_to_all",
+            "autosp.collectives.grad_sync", "autosp.collectives.check_index"} <= names
+    assert all(marked[n] == source_hash() for n in names)
+    assert not any(n.split(".")[-1].startswith("_") for n in names)
+
+
+def test_report_round_trips_and_a_missing_one_is_none(tmp_path: Any, monkeypatch: Any) -> None:
+    from autosp.remat_policy import GraphRematReport, LayerRemat, NodeRemat
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    g = GraphRematReport(policy="sequence-aware", saved_bytes=10, none_saved_bytes=20, budget_bytes=None,
+                         recompute_flops=1.5, attention_flops=2.0, admitted_matmuls=1, solve_seconds=0.1,
+                         flow_vertices=3, flow_edges=4, layers=(LayerRemat("layers.0", 1, 10, 2, 5, 1.5),),
+                         nodes=(NodeRemat("mm", "aten.mm", "layers.0", "saved", 10, 1.0, ""),), model_flops=7.0)
+    assert load_reports("k" * 64) is None
+    save_reports("k" * 64, [g])
+    assert load_reports("k" * 64) == [g]
+    (tmp_path / "autosp_remat_reports" / f"{'k' * 64}.json").write_text("{not json")
+    assert load_reports("k" * 64) is None  # a damaged file means: compile again
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    x = torch.zeros(3, 2)
+    assert report_key(gm, [x], "a") != report_key(gm, [x], "b")
+    assert report_key(gm, [x], "a") != report_key(gm, [torch.zeros(4, 2)], "a")
+
+
+def cached_step(rank: int, world: int, cache_dir: str, seq_len: int) -> dict[str, Any]:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    from torch._dynamo.utils import counters
+
+    import autosp
+    from autosp.remat import RematReport
+
+    mesh = autosp.init_mesh(world)
+    cfg = tiny_config(num_layers=1)
+    model = build_model(cfg)
+    ids, labels = make_batch(cfg.vocab_size, 2, seq_len)
+    report = RematReport()
+    compiled = autosp.compile(model, mesh=mesh, backend="inductor", remat_report=report, tile_loss=True)
+    counters.clear()
+    result = step_against_reference(model, compiled, ids, labels)
+    result["aot"] = dict(counters["aot_autograd"])
+    result["report"] = [(g.saved_bytes, g.model_flops) for g in report.graphs]
+    result["tiling"] = list(compiled.loss_tiling)
+    return result
+
+
+def test_second_process_hits_aot_autograds_cache_and_stays_exact(tmp_path: Any) -> None:
+    cache = str(tmp_path / "inductor-cache")
+    first = run_ranks(2, cached_step, cache, 32, timeout=600)
+    second = run_ranks(2, cached_step, cache, 32, timeout=600)
+    for rank in range(2):
+        cold, warm = first[rank], second[rank]
+        assert cold["aot"].get("autograd_cache_miss", 0) >= 1 and cold["aot"].get("autograd_cache_saved", 0) >= 1, cold["aot"]
+        assert not cold["aot"].get("autograd_cache_bypass"), cold["aot"]
+        assert warm["aot"].get("autograd_cache_hit", 0) == cold["aot"]["autograd_cache_miss"], warm["aot"]
+        assert not warm["aot"].get("autograd_cache_miss") and not warm["aot"].get("autograd_cache_bypass")
+        assert_step_exact(cold, f"rank {rank}, first process")
+        assert_step_exact(warm, f"rank {rank}, second process (cache hit)")
+        assert warm["loss"] == cold["loss"]
+        assert cold["report"] and warm["report"] == cold["report"], "the report is read back on a hit"
+        assert warm["tiling"] and all(t.startswith("tiled") for t in warm["tiling"]), warm["tiling"]
