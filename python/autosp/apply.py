@@ -19,7 +19,8 @@ import torch.fx as fx
 
 from autosp import collectives, tiled_attention, tiled_loss
 from autosp.bridge import BridgeResult
-from autosp.canon_attention import cross_entropy_reduction
+from autosp.apply_args import (current_reduction, node_loc, nodes_in, replaced_expr, rewrite_target, set_path,
+                               set_reduction, to_mutable, to_tuples, unslice)
 from autosp.canon import target_name
 from autosp.errors import AutospError, at_node
 
@@ -31,37 +32,6 @@ class RankContext:
     rank: int
     world: int
     group: str  # process-group name, as functional collectives take it
-
-
-def _to_mutable(a: Any) -> Any:
-    if isinstance(a, (tuple, list)):
-        return [_to_mutable(x) for x in a]
-    return a
-
-
-def _to_tuples(a: Any, like: Any) -> Any:
-    if isinstance(like, tuple):
-        return tuple(_to_tuples(x, y) for x, y in zip(a, like))
-    if isinstance(like, list):
-        return [_to_tuples(x, y) for x, y in zip(a, like)]
-    return a
-
-
-def _set_path(args: list, kwargs: dict, path: tuple, value: Any) -> None:
-    where, key, *rest = path
-    if where == "args":
-        if not rest:
-            args[key] = value
-            return
-        cont = args[key]
-    else:
-        if not rest:
-            kwargs[key] = value
-            return
-        cont = kwargs[key]
-    for k in rest[:-1]:
-        cont = cont[k]
-    cont[rest[-1]] = value
 
 
 # Inserted SP ops whose result stands for the same single-device value as their operand (a
@@ -123,7 +93,7 @@ class _Replayer:
             nn.meta = copy.copy(fxn.meta)
             ex = fxn.meta.get("example_value")
             if isinstance(ex, torch.SymInt) and self.seq_node is None:
-                if ex.node.expr in self.bridge.seq_symbols or _replaced(ex) in self.bridge.seq_symbols:
+                if ex.node.expr in self.bridge.seq_symbols or replaced_expr(ex) in self.bridge.seq_symbols:
                     self.seq_node = nn
         elif "mask_tiles" in cn.attrs:
             # SDPA whose [S, S] mask is replayed per tile of query rows (tiled_attention).
@@ -132,30 +102,30 @@ class _Replayer:
             nn.meta = copy.copy(fxn.meta)
         elif "head_chain" in cn.attrs:
             # Cross-entropy over lm_head's operands, a chunk of rows at a time (tiled_loss).
-            reduction = cn.attrs.get("reduction", _current_reduction(fxn))
+            reduction = cn.attrs.get("reduction", current_reduction(fxn))
             ins = [self.value_node(v) if v >= 0 else None for v in cn.inputs]
             nn = tiled_loss.emit(self.graph, fxn, cn, self.bridge, ins, str(reduction))
             nn.meta = copy.copy(fxn.meta)
         else:
             # Tensor operands are substituted below by path; the rest map to their copies.
-            args = _to_mutable(fx.node.map_arg(fxn.args, lambda n: self.old_to_new.get(n, n)))
+            args = to_mutable(fx.node.map_arg(fxn.args, lambda n: self.old_to_new.get(n, n)))
             kwargs = dict(fx.node.map_arg(fxn.kwargs, lambda n: self.old_to_new.get(n, n)))
-            kwargs = {k: _to_mutable(v) for k, v in kwargs.items()}
+            kwargs = {k: to_mutable(v) for k, v in kwargs.items()}
             for i, path in enumerate(paths):
                 if cn.inputs[i] >= 0:
-                    _set_path(args, kwargs, path, self.value_node(cn.inputs[i]))
-            args = _to_tuples(args, fxn.args)
-            stale = [n for n in _nodes_in((args, kwargs))
+                    set_path(args, kwargs, path, self.value_node(cn.inputs[i]))
+            args = to_tuples(args, fxn.args)
+            stale = [n for n in nodes_in((args, kwargs))
                      if n.graph is not self.graph]
             if stale:
                 raise AssertionError(f"plan replay: {fxn.name} still refers to {stale} of the input graph")
-            kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
+            kwargs = {k: to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
             attrs = cn.attrs
             target, kind = fxn.target, fxn.op
             if "rewrite_target" in attrs:
-                target = _rewrite_target(fxn, attrs["rewrite_target"])
-            if "reduction" in attrs and attrs["reduction"] != _current_reduction(fxn):
-                args, kwargs = _set_reduction(args, kwargs, attrs["reduction"])
+                target = rewrite_target(fxn, attrs["rewrite_target"])
+            if "reduction" in attrs and attrs["reduction"] != current_reduction(fxn):
+                args, kwargs = set_reduction(args, kwargs, attrs["reduction"])
             if "local_dims" in attrs:
                 args, kwargs = self.localise_sizes(fxn, cn, args, kwargs, list(attrs["local_dims"]))
             if attrs.get("zero_padding", False):
@@ -166,7 +136,7 @@ class _Replayer:
                     kwargs = dict(kwargs, padding=0)
             if "unslice_dim" in attrs:
                 # sp.shift already took this rank's part of the sliced sequence dim.
-                target, args, kwargs = _unslice(fxn, args, kwargs, attrs["unslice_dim"])
+                target, args, kwargs = unslice(fxn, args, kwargs, attrs["unslice_dim"])
                 kind = "call_function"
             if cn.op == "output":
                 nn = self.graph.output(args[0] if len(args) == 1 else args)
@@ -264,7 +234,7 @@ class _Replayer:
                 sizes[d] = s // self.ctx.world
             else:
                 raise AutospError(
-                    f"[autosp:apply] op '{name}' at {_loc(fxn)}: found size argument {s!r} for the "
+                    f"[autosp:apply] op '{name}' at {node_loc(fxn)}: found size argument {s!r} for the "
                     f"sharded sequence dim {d}; expected a size derived from the input's shape or -1."
                 )
         if flat is None:
@@ -349,77 +319,6 @@ class _Replayer:
         if coef != 1:
             d = self.graph.call_function(operator.mul, (d, coef))
         return d
-
-
-def _unslice(fxn: fx.Node, args: Any, kwargs: dict, dim: int) -> tuple[Any, Any, dict]:
-    """The indexing node ``fxn`` with its slice of input dim ``dim`` taken whole."""
-    from autosp.canon_index import expand_index
-
-    if fxn.target is operator.getitem:
-        x, idx = args[0], args[1]
-        items = expand_index(idx, len(_example_shape(fxn.args[0])))
-        seen = -1
-        for j, it in enumerate(items):
-            if it is not None:
-                seen += 1
-            if seen == dim and it is not None:
-                items[j] = slice(None)
-                break
-        return operator.getitem, (x, tuple(items)), kwargs
-    # narrow(x, dim, start, length): the whole dim
-    x = args[0] if args else kwargs["input"]
-    return operator.getitem, (x, (slice(None),) * (dim + 1)), {}
-
-
-def _example_shape(n: Any) -> tuple:
-    ex = n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
-    return tuple(ex.shape) if isinstance(ex, torch.Tensor) else ()
-
-
-def _nodes_in(a: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(a, lambda n: found.append(n) or n)
-    return found
-
-
-def _replaced(s: torch.SymInt) -> Any:
-    env = s.node.shape_env
-    try:
-        return env.replace(s.node.expr)
-    except Exception:
-        return s.node.expr
-
-
-def _loc(fxn: fx.Node) -> str:
-    from autosp.bridge import source_loc
-
-    return str(source_loc(fxn))
-
-
-def _rewrite_target(fxn: fx.Node, name: str) -> Any:
-    if isinstance(fxn.target, str):
-        return name
-    return getattr(torch, name)
-
-
-def _current_reduction(fxn: fx.Node) -> str:
-    return cross_entropy_reduction(fxn)
-
-
-def _set_reduction(args: Any, kwargs: dict, reduction: str) -> tuple:
-    """F.cross_entropy's arguments with ``reduction``, the deprecated size_average and reduce
-    (which would override it) cleared."""
-    args = list(args)
-    for i, key in ((3, "size_average"), (5, "reduce")):
-        if len(args) > i:
-            args[i] = None
-        elif key in kwargs:
-            kwargs = {k: v for k, v in kwargs.items() if k != key}
-    if len(args) > 6:
-        args[6] = reduction
-    else:
-        kwargs = dict(kwargs, reduction=reduction)
-    return tuple(args), kwargs
 
 
 def apply_plan(gm: fx.GraphModule, bridge: BridgeResult, plan: Any, ctx: RankContext) -> fx.GraphModule:

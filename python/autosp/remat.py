@@ -41,26 +41,23 @@ and ask what it did::
     print(report)          # per layer: saved and recomputed values, bytes and FLOPs
 
 Modules: ``autosp.remat_policy`` (policies, MemoryBudget, reports, the solver's options),
-``autosp.remat_facts`` (facts about the joint graph), and this one (the partition function,
-the partitioner and the backend).
+``autosp.remat_facts`` (facts about the joint graph), ``autosp.remat_partition`` (the
+partition function), and this one (the partitioner in Inductor's hook, and the backend).
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
-import time
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-from autosp import _core
 from autosp.compile_cache import load_reports, marked_cacheable, report_key, save_reports, source_hash
 from autosp.errors import AutospError
-from autosp.remat_facts import SizeFn, _partitioners, gather_facts, node_flops
-from autosp.remat_policy import (BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES,
-                                 GraphRematReport, LayerRemat, MemoryBudget, NodeRemat,
-                                 RematPolicy, RematReport, _core_options, _policy_name)
+from autosp.remat_facts import SizeFn, gather_facts, node_flops
+from autosp.remat_partition import make_partition_fn
+from autosp.remat_policy import (BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, GraphRematReport,
+                                 MemoryBudget, RematPolicy, RematReport, _core_options)
 
 __all__ = [
     "DEFAULT_RECOMPUTE_FLOPS_RATIO",
@@ -77,209 +74,9 @@ __all__ = [
     "node_flops",
 ]
 
+
 # --------------------------------------------------------------------------------------------
-# The partition function
-
-
-def _call_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Calls a torch-internal helper with only the keyword arguments its signature (which
-    varies across torch 2.11-2.13) accepts."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
-
-
-def _partition(
-    joint_module: fx.GraphModule,
-    joint_inputs: Any,
-    *,
-    num_fwd_outputs: int,
-    static_lifetime_input_indices: list[int] | None,
-    policy: RematPolicy,
-    options: Any,
-    report: RematReport | None,
-) -> tuple[fx.GraphModule, fx.GraphModule]:
-    partitioners = _partitioners()
-    from torch._functorch import config as functorch_config
-    from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
-    from torch.fx.experimental.proxy_tensor import is_sym_node
-
-    # The same preparation as min_cut_rematerialization_partition, so the flow network is built
-    # on the same graph PyTorch's partitioner would see.
-    joint_module.graph.eliminate_dead_code()
-    joint_module.recompile()
-    if functorch_config.cse:
-        joint_module.graph = fx_graph_cse(joint_module.graph)
-    joint_graph = joint_module.graph
-
-    has_recompute_tags = partitioners.has_recomputable_ops(joint_module)
-    has_recompute_rng = partitioners.has_recomputable_rng_ops(joint_module)
-    if has_recompute_tags:
-        joint_module = _call_supported(
-            partitioners.cleanup_recompute_tags, joint_module, is_default_partition=False
-        )
-    if not getattr(functorch_config, "unsafe_allow_optimization_of_collectives", False):
-        partitioners.force_save_collectives(joint_module)
-    for helper in ("force_save_effectful_ops", "force_save_bw_mutation_src"):
-        if hasattr(partitioners, helper):
-            getattr(partitioners, helper)(joint_module)
-
-    static_lifetime_input_indices = static_lifetime_input_indices or []
-    node_info = partitioners.classify_nodes(
-        joint_module, static_lifetime_input_indices, num_fwd_outputs
-    )
-    if len(node_info.required_bw_nodes) == 0:
-        # Nothing for the backward: the forward saves nothing (PyTorch does the same).
-        return _call_supported(
-            partitioners.default_partition,
-            joint_module,
-            joint_inputs,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static_lifetime_input_indices,
-            static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
-        )
-
-    nodes, facts = gather_facts(joint_graph, node_info)
-    start = time.perf_counter()
-    try:
-        solution = _core.solve_remat(facts, options)
-    except (RuntimeError, ValueError) as e:
-        raise AutospError(
-            f"{e} [policy {_policy_name(policy)}; joint graph of {len(nodes)} nodes]"
-        ) from None
-    solve_seconds = time.perf_counter() - start
-
-    saved = [nodes[i] for i in solution.saved]
-    saved_sym_nodes = [
-        n for n in saved if is_sym_node(n) and not partitioners._is_assert_only_symbool(n)
-    ]
-    try:
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-    except ImportError:  # torch < 2.13
-
-        def is_opaque_node(n: fx.Node) -> bool:
-            return False
-
-    saved_opaque_nodes = [n for n in saved if is_opaque_node(n)]
-    saved_values = [n for n in saved if not is_sym_node(n) and not is_opaque_node(n)]
-
-    fw_module, bw_module = _call_supported(
-        partitioners._extract_fwd_bwd_modules,
-        joint_module,
-        saved_values,
-        saved_sym_nodes=saved_sym_nodes,
-        saved_opaque_nodes=saved_opaque_nodes,
-        num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
-    )
-    if has_recompute_tags and has_recompute_rng:
-        # Only user-annotated (MUST_RECOMPUTE) random ops can be recomputed; PyTorch's RNG
-        # functionalisation makes the backward replay the forward's random values.
-        fw_module, bw_module = partitioners.functionalize_rng_ops(
-            joint_module, fw_module, bw_module, len(saved_sym_nodes)
-        )
-    bw_module = partitioners.reordering_to_mimic_autograd_engine(bw_module)
-    fw_module = raise_getitems(fw_module)
-    bw_module = raise_getitems(bw_module)
-    if hasattr(partitioners, "thread_graphsafe_rng_from_hops"):
-        fw_module = partitioners.thread_graphsafe_rng_from_hops(fw_module, is_backward=False)
-        bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
-
-    if report is not None:
-        report.graphs.append(_graph_report(policy, solution, facts, solve_seconds))
-    return fw_module, bw_module
-
-
-def _graph_report(
-    policy: RematPolicy, solution: Any, facts: list[Any], solve_seconds: float
-) -> GraphRematReport:
-    F = _core.RematFate
-    fate_names = {
-        F.SAVED: "saved",
-        F.RECOMPUTED: "recomputed",
-        F.FORWARD_ONLY: "forward-only",
-    }
-    node_rows = tuple(
-        NodeRemat(
-            name=f.name,
-            target=f.target,
-            layer=f.layer,
-            fate=fate_names[fate],
-            bytes=f.bytes,
-            flops=f.flops,
-            ban_reason=reason,
-        )
-        for f, fate, reason in zip(facts, solution.fate, solution.ban_reason)
-        if fate != F.BACKWARD_ONLY
-    )
-    layers = tuple(
-        LayerRemat(
-            layer=s.layer,
-            saved_count=s.saved_count,
-            saved_bytes=s.saved_bytes,
-            recomputed_count=s.recomputed_count,
-            recomputed_bytes=s.recomputed_bytes,
-            recompute_flops=s.recompute_flops,
-        )
-        for s in solution.layers
-    )
-    return GraphRematReport(
-        policy=_policy_name(policy),
-        saved_bytes=solution.saved_bytes,
-        none_saved_bytes=solution.none_saved_bytes,
-        budget_bytes=solution.budget_bytes if solution.budget_bytes >= 0 else None,
-        recompute_flops=solution.recompute_flops,
-        attention_flops=solution.attention_flops,
-        admitted_matmuls=solution.admitted_matmuls,
-        solve_seconds=solve_seconds,
-        flow_vertices=solution.flow_vertices,
-        flow_edges=solution.flow_edges,
-        layers=layers,
-        nodes=node_rows,
-        model_flops=float(sum(f.flops for f in facts)),
-    )
-
-
-def make_partition_fn(
-    policy: RematPolicy = "sequence-aware",
-    *,
-    recompute_flops_ratio: float = DEFAULT_RECOMPUTE_FLOPS_RATIO,
-    report: RematReport | None = None,
-) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
-    """Returns an AOTAutograd partition function,
-    ``(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs) -> (fw_module, bw_module)``,
-    that decides the saved set with autosp's C++ min-cut under ``policy``.
-
-    ``recompute_flops_ratio`` is the sequence-aware allowance (see
-    :data:`DEFAULT_RECOMPUTE_FLOPS_RATIO`); ``report``, if given, receives one
-    :class:`GraphRematReport` per partitioned graph. Raises :class:`AutospError` for an unknown
-    policy at once, and from the call for a budget no recomputation meets.
-    """
-    # Validate now (a bad policy fails at compile set-up), but build the core options per call:
-    # torch keeps partition functions alive until exit, and they should not pin core objects.
-    _core_options(policy, recompute_flops_ratio)
-
-    def autosp_remat_partition(
-        joint_module: fx.GraphModule,
-        joint_inputs: Any,
-        *,
-        num_fwd_outputs: int,
-        static_lifetime_input_indices: list[int] | None = None,
-        **kwargs: Any,
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        return _partition(
-            joint_module,
-            joint_inputs,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static_lifetime_input_indices,
-            policy=policy,
-            options=_core_options(policy, recompute_flops_ratio),
-            report=report,
-        )
-
-    autosp_remat_partition.autosp_policy = policy  # type: ignore[attr-defined]
-    return autosp_remat_partition
+# The partitioner in Inductor's hook, and the backend
 
 
 def _cache_key(policy: RematPolicy, recompute_flops_ratio: float) -> str:

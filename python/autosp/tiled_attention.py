@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.apply_args import nodes_in, set_path, to_mutable, to_tuples
 from autosp.canon import target_name
 from autosp.tiled_ops import Recipes, autograd_inside_op
 
@@ -104,7 +105,6 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
                  leaves: list[int]) -> tuple[int, list[fx.Node]]:
     """Register the recipe of a tiled mask; returns its key and the input-graph nodes of the
     non-tensor arguments (sizes) it reads, which the caller passes as ``syms``."""
-    from autosp.apply import _nodes_in, _set_path, _to_mutable, _to_tuples
 
     entries = _decode(chain)
     fx_nodes = [bridge.fx_nodes[origin] for origin, *_ in entries]
@@ -112,7 +112,7 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
     dtypes: dict[fx.Node, torch.dtype] = {}  # x.to(y) / x.type_as(y): y read for its dtype
     for (origin, *_), fxn in zip(entries, fx_nodes):
         at_paths = set(_operands(fxn, bridge.input_paths[origin]))
-        for a in _nodes_in((fxn.args, fxn.kwargs)):
+        for a in nodes_in((fxn.args, fxn.kwargs)):
             ex = a.meta.get("example_value")
             if isinstance(ex, torch.Tensor) and a not in at_paths:
                 if target_name(fxn) not in ("to", "type_as"):
@@ -139,11 +139,11 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
         def local(n: fx.Node) -> Any:
             return dtypes[n] if n in dtypes else sym_ph.get(n, n)
 
-        args = _to_mutable(fx.node.map_arg(fxn.args, local))
-        kwargs = {k: _to_mutable(v) for k, v in fx.node.map_arg(dict(fxn.kwargs), local).items()}
+        args = to_mutable(fx.node.map_arg(fxn.args, local))
+        kwargs = {k: to_mutable(v) for k, v in fx.node.map_arg(dict(fxn.kwargs), local).items()}
         for (vid, d), path in zip(pairs, paths):
             if vid >= 0:
-                _set_path(args, kwargs, path, env[(vid, d)])
+                set_path(args, kwargs, path, env[(vid, d)])
         if how == _EXPAND_SIZE:
             sizes, put = _sizes_at(args, kwargs, 1)
             # -1 keeps the operand's (tiled) size; a dim the operand lacks or broadcasts is
@@ -161,14 +161,14 @@ def build_recipe(bridge: Any, chain: list[int], leaf_dims: list[int],
                 args[1] = shifted
             else:
                 kwargs["diagonal"] = shifted
-        args = _to_tuples(args, fxn.args)
-        kwargs = {k: _to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
+        args = to_tuples(args, fxn.args)
+        kwargs = {k: to_tuples(v, fxn.kwargs[k]) if k in fxn.kwargs else v for k, v in kwargs.items()}
         target, kind = fxn.target, fxn.op
         if target_name(fxn) == "type_as":  # x.type_as(y): the cast to y's dtype
             target, kind = "to", "call_method"
         if how == _EYE_ROWS:
             target, kind, args = eye_rows, "call_function", (start, end, *args)
-        stale = [n for n in _nodes_in((args, kwargs)) if n.graph is not g]
+        stale = [n for n in nodes_in((args, kwargs)) if n.graph is not g]
         if stale:
             raise AssertionError(f"mask recipe: {fxn.name} still reads {stale} of the input graph")
         out = g.create_node(kind, target, tuple(args), kwargs, name=fxn.name)
