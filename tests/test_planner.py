@@ -72,13 +72,19 @@ def test_single_device_saved_bytes_exact_and_peak_close(
     ids, labels = _batch()
     torch._dynamo.mark_dynamic(ids, 1)
     torch._dynamo.mark_dynamic(labels, 1)
-    compiled = torch.compile(model, backend=remat.backend(policy, backend="aot_eager"),
+    report = remat.RematReport()
+    compiled = torch.compile(model, backend=remat.backend(policy, backend="aot_eager", report=report),
                              fullgraph=True, dynamic=False)
     measured_saved, measured_peak = _run_step(model, compiled, ids, labels)
     predicted = _core.simulate_peak_memory(traced_p1.graph, SEQ, _options(policy, traced_p1))
     assert predicted.saved_bytes == measured_saved
     assert abs(predicted.peak - measured_peak) <= PEAK_TOLERANCE * measured_peak, (
         f"predicted {predicted.peak} vs measured {measured_peak}")
+    # The step's FLOPs and those recomputed are what the partitioner of the real compile counted.
+    (graph,) = report.graphs
+    assert predicted.step_flops == pytest.approx(graph.model_flops, rel=1e-9)
+    assert predicted.recompute_flops == pytest.approx(graph.recompute_flops, rel=1e-9)
+    assert (predicted.recompute_flops > 0) == (policy == "sequence-aware")
 
 
 def _measure_on_fake_rank(shard: bool) -> tuple[int, int]:
@@ -145,6 +151,11 @@ def test_strategies_order_and_sp_shrinks_activations(
     sp = _core.simulate_peak_memory(traced_p2.graph, 4096, _options("none", traced_p2))
     # Every activation with a sequence dim is sharded: the saved set shrinks by about P.
     assert sp.saved_bytes < 0.6 * at["none"].saved_bytes
+    # Recomputation: none recomputes nothing; full checkpointing recomputes more than the
+    # partitioners' policies; the step's own FLOPs do not depend on the strategy.
+    assert at["none"].recompute_flops == 0 and at["default"].recompute_flops == 0
+    assert at["full"].recompute_flops > at["sequence-aware"].recompute_flops > 0
+    assert len({round(b.step_flops) for b in at.values()}) == 1
     # The breakdown adds up to the peak.
     b = at["default"]
     assert b.peak == (b.parameters + b.gradients + b.optimizer_state + b.saved_activations

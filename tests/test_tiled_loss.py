@@ -245,6 +245,11 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
             print(f"tile_loss={tile}: predicted {predicted.peak}, measured {measured.peak_bytes}")
             assert predicted.saved_bytes == measured.saved_bytes
             assert abs(predicted.peak - measured.peak_bytes) <= 0.10 * measured.peak_bytes
+            # The tiled backward recomputes this rank's logits: 2 * rows * hidden * vocab more.
+            none = _core.simulate_peak_memory(
+                traced.graph, seq, planner._core_options("none", "fp32", traced.num_params, 1))
+            logits_flops = 2 * (2 * seq // 2) * cfg.hidden_size * vocab
+            assert none.recompute_flops == pytest.approx(logits_flops if tile else 0, rel=1e-9)
 
 
 def _errors_worker(rank: int, world: int) -> list[str]:

@@ -82,13 +82,16 @@ enum class MemoryRole : uint8_t {
 struct MemoryNode {
   RematNode facts;
   MemoryRole role = MemoryRole::kCompute;
-  SeqBytes save_bytes;      // what saving this node costs (PyTorch's _size_of): remat capacities
-  SeqFlops flops;           // FLOPs to compute it once
-  SeqBytes alloc_bytes;     // the storage its output allocates (empty for an alias)
-  SeqBytes scratch_bytes;   // allocated while it runs, freed right after (unused tuple outputs)
-  int32_t alias_of = -1;    // index of the node whose storage its output shares (views, waits)
-  bool collective = false;  // its storage is a communication buffer (a collective's output)
-  bool gradient = false;    // returned by the backward as a parameter's gradient
+  SeqBytes save_bytes;  // what saving this node costs (PyTorch's _size_of): remat capacities
+  SeqFlops flops;       // FLOPs to compute it once
+  // FLOPs the op itself spends again, beyond `flops` (the tiled loss's backward recomputes
+  // each chunk's logits): counted as recomputation, like the nodes remat recomputes.
+  SeqFlops inner_recompute_flops;
+  SeqBytes alloc_bytes;         // the storage its output allocates (empty for an alias)
+  SeqBytes scratch_bytes;       // allocated while it runs, freed right after (unused tuple outputs)
+  int32_t alias_of = -1;        // index of the node whose storage its output shares (views, waits)
+  bool collective = false;      // its storage is a communication buffer (a collective's output)
+  bool gradient = false;        // returned by the backward as a parameter's gradient
   bool forward_output = false;  // returned by the forward to the caller (the loss)
   // The decoder layer it belongs to (0, 1, ...), kNoLayer (-2) outside layers, or
   // kLayerUnknown (-1): see plan/layers.h. Only layer replication reads it.
@@ -169,6 +172,12 @@ struct MemoryBreakdown {
   int64_t saved_bytes = 0;
   int32_t saved_count = 0;
   int32_t recomputed_count = 0;
+  // FLOPs per rank of one step: the forward and backward ops once each (`step_flops`), and
+  // what is computed again on top (`recompute_flops`: remat's recomputed nodes and the ops'
+  // inner recomputation). Their ratio is the step-time cost of the strategy's recomputation
+  // where compute bounds the step.
+  double step_flops = 0;
+  double recompute_flops = 0;
 
   bool operator==(const MemoryBreakdown&) const = default;
 };

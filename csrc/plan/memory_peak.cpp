@@ -104,6 +104,10 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
     }
     if (saved(i) && nodes[i].role != MemoryRole::kTangent) ++out.saved_count;
     if (fate[i] == RematFate::kRecomputed) ++out.recomputed_count;
+    if (nodes[i].role != MemoryRole::kCompute) continue;
+    out.step_flops += nodes[i].flops.at(seq);
+    out.recompute_flops += nodes[i].inner_recompute_flops.at(seq);
+    if (fate[i] == RematFate::kRecomputed) out.recompute_flops += nodes[i].flops.at(seq);
   }
 
   std::array<int64_t, kNumCategories> live{};

@@ -219,6 +219,8 @@ def _memory_graph(
             raise AssertionError(f"{n.name}: {save_bytes} at S={hint} != remat bytes {f.bytes}")
         m.save_bytes = save_bytes
         m.flops = _fit_flops({s: flops_at[s][i] for s in probe})
+        if share := tiled_loss.recomputed_share(n):
+            m.inner_recompute_flops = _fit_flops({s: share * flops_at[s][i] for s in probe})
         if n.op == "placeholder":
             # Parameters: static-lifetime inputs, or (where the SP rewrite dropped Dynamo's
             # static-input metadata) the primals whose example input is an nn.Parameter.

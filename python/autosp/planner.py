@@ -89,6 +89,16 @@ class MemoryPrediction:
     phase: str
     peak_node: str
     saved_bytes: int  # the whole saved set (distinct storages), parameters excluded
+    # FLOPs per rank of one step: each op once, and what the strategy computes again (remat's
+    # recomputed ops, the tiled loss's logits). recompute_overhead is their ratio.
+    step_flops: float = 0.0
+    recompute_flops: float = 0.0
+
+    @property
+    def recompute_overhead(self) -> float:
+        """Recomputed FLOPs over the step's: the step-time cost of the strategy's
+        recomputation where compute bounds the step (0.25: about 1.25x the step time)."""
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
     @staticmethod
     def from_core(b: Any) -> "MemoryPrediction":
@@ -97,6 +107,7 @@ class MemoryPrediction:
             optimizer_state=b.optimizer_state, saved_activations=b.saved_activations,
             transient=b.transient, communication=b.communication, inputs=b.inputs,
             phase=b.phase, peak_node=b.peak_node, saved_bytes=b.saved_bytes,
+            step_flops=b.step_flops, recompute_flops=b.recompute_flops,
         )
 
 
@@ -148,10 +159,11 @@ class PlanResult:
                 "parameters, gradients and optimizer state sharded over all GPUs (fsdp)"
                 if self.fsdp else f"optimizer state sharded over {self.optimizer_sharding}"),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
-            "state, saved activations, transient, communication",
+            "state, saved activations, transient, communication; recomp: FLOPs computed again "
+            "(remat, tiled loss) over the step's",
             f"{'strategy':<38} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
-            f"{'params':>7} {'grads':>7} {'optim':>7} {'saved':>7} {'trans':>7} {'comm':>6}  "
-            "peak during",
+            f"{'params':>7} {'grads':>7} {'optim':>7} {'saved':>7} {'trans':>7} {'comm':>6} "
+            f"{'recomp':>7}  peak during",
         ]
         for s in self.strategies:
             longest = "none" if s.longest_seq == 0 else (
@@ -164,8 +176,8 @@ class PlanResult:
                 detail = (
                     f"{b.peak / gib:>7.2f}{oom} {b.parameters / gib:>6.2f} {b.gradients / gib:>7.2f} "
                     f"{b.optimizer_state / gib:>7.2f} {b.saved_activations / gib:>7.2f} "
-                    f"{b.transient / gib:>7.2f} {b.communication / gib:>6.2f}  "
-                    f"{b.phase} ({b.peak_node})"
+                    f"{b.transient / gib:>7.2f} {b.communication / gib:>6.2f} "
+                    f"{f'+{100 * b.recompute_overhead:.0f}%':>7}  {b.phase} ({b.peak_node})"
                 )
             lines.append(
                 f"{s.name:<38} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"

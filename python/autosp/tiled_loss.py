@@ -262,6 +262,13 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node 
                                 int(cn.attrs["ignore_index"]), out.dtype))
 
 
+def recomputed_share(node: fx.Node) -> float:
+    """Of a node's model FLOPs (the formulas below), the share it computes again inside: the
+    backward recomputes each chunk's logits (2 of its 4 * rows * hidden * classes); 0 for any
+    other node. ``autosp plan`` counts it as recomputation (MemoryNode.inner_recompute_flops)."""
+    return 0.5 if node.target is torch.ops.autosp.tiled_head_loss_backward.default else 0.0
+
+
 def _register_flops() -> None:
     """Model FLOPs of the tiled ops (torch.utils.flop_counter, read by autosp's remat facts and
     the trainer's MFU): the projection's 2 * rows * hidden * classes forward, and its backward's

@@ -65,6 +65,7 @@ void init_memory(nb::module_& m) {
       .def_rw("role", &MemoryNode::role)
       .def_rw("save_bytes", &MemoryNode::save_bytes)
       .def_rw("flops", &MemoryNode::flops)
+      .def_rw("inner_recompute_flops", &MemoryNode::inner_recompute_flops)
       .def_rw("alloc_bytes", &MemoryNode::alloc_bytes)
       .def_rw("scratch_bytes", &MemoryNode::scratch_bytes)
       .def_rw("alias_of", &MemoryNode::alias_of)
@@ -121,7 +122,9 @@ void init_memory(nb::module_& m) {
       .def_ro("peak_node", &MemoryBreakdown::peak_node)
       .def_ro("saved_bytes", &MemoryBreakdown::saved_bytes)
       .def_ro("saved_count", &MemoryBreakdown::saved_count)
-      .def_ro("recomputed_count", &MemoryBreakdown::recomputed_count);
+      .def_ro("recomputed_count", &MemoryBreakdown::recomputed_count)
+      .def_ro("step_flops", &MemoryBreakdown::step_flops)
+      .def_ro("recompute_flops", &MemoryBreakdown::recompute_flops);
 
   nb::class_<TrainabilityQuery>(m, "TrainabilityQuery")
       .def(nb::init<>())

@@ -239,6 +239,36 @@ TEST(MemoryFullCheckpoint, SavesOnlyLayerInputsAndRecomputesTheRest) {
   EXPECT_EQ(bf.recomputed_count, 2);
 }
 
+// FLOPs: every compute node once (step_flops), plus what is computed again (recompute_flops):
+// the nodes the strategy recomputes and each op's own inner recomputation.
+TEST(MemoryFlops, StepAndRecomputedFlopsPerStrategy) {
+  MemoryGraph g = two_layers();
+  double step = 0;
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    if (g.nodes[i].role != MemoryRole::kCompute) continue;
+    g.nodes[i].flops = SeqFlops{static_cast<double>(i + 1), 1};  // (i + 1) * S
+    step += static_cast<double>(i + 1) * 1000;
+  }
+  const MemoryBreakdown bn = simulate_peak_memory(g, 1000, fp32_options(RematStrategy::kNone, 16));
+  EXPECT_DOUBLE_EQ(bn.step_flops, step);
+  EXPECT_DOUBLE_EQ(bn.recompute_flops, 0);
+  const auto fates = decide_fates(g, 1000, fp32_options(RematStrategy::kFullCheckpoint, 16));
+  double recomputed = 0;
+  for (size_t i = 0; i < fates.size(); ++i)
+    if (fates[i] == RematFate::kRecomputed) recomputed += static_cast<double>(i + 1) * 1000;
+  ASSERT_GT(recomputed, 0);
+  const MemoryBreakdown bf =
+      simulate_peak_memory(g, 1000, fp32_options(RematStrategy::kFullCheckpoint, 16));
+  EXPECT_DOUBLE_EQ(bf.step_flops, step);
+  EXPECT_DOUBLE_EQ(bf.recompute_flops, recomputed);  // a0 (3 * S) and a1 (5 * S)
+  EXPECT_DOUBLE_EQ(recomputed, (3 + 5) * 1000);
+  // An op's inner recomputation counts under every strategy, at S^power.
+  g.nodes[8].inner_recompute_flops = SeqFlops{2, 2};  // g1, a backward op
+  const MemoryBreakdown bi = simulate_peak_memory(g, 1000, fp32_options(RematStrategy::kNone, 16));
+  EXPECT_DOUBLE_EQ(bi.recompute_flops, 2.0 * 1000 * 1000);
+  EXPECT_DOUBLE_EQ(bi.step_flops, step);
+}
+
 TEST(MemoryTrainability, LongestMultipleUnderBudget) {
   const MemoryGraph g = one_layer();
   const MemoryOptions o = fp32_options(RematStrategy::kNone, 25);
