@@ -1,0 +1,128 @@
+"""What ``autosp plan`` returns (autosp.planner): the predicted memory of one step at one S, a
+strategy's plan (longest S, the curve), and the whole result with its table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autosp.models.llama import LlamaConfig
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted bytes per rank at the peak of one training step at ``seq_len``."""
+
+    seq_len: int
+    peak: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    saved_activations: int
+    transient: int
+    communication: int
+    inputs: int
+    phase: str
+    peak_node: str
+    saved_bytes: int  # the whole saved set (distinct storages), parameters excluded
+    # FLOPs per rank of one step: each op once, and what the strategy computes again (remat's
+    # recomputed ops, the tiled loss's logits). recompute_overhead is their ratio.
+    step_flops: float = 0.0
+    recompute_flops: float = 0.0
+
+    @property
+    def recompute_overhead(self) -> float:
+        """Recomputed FLOPs over the step's: the step-time cost of the strategy's
+        recomputation where compute bounds the step (0.25: about 1.25x the step time)."""
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    @staticmethod
+    def from_core(b: Any) -> "MemoryPrediction":
+        return MemoryPrediction(
+            seq_len=b.seq_len, peak=b.peak, parameters=b.parameters, gradients=b.gradients,
+            optimizer_state=b.optimizer_state, saved_activations=b.saved_activations,
+            transient=b.transient, communication=b.communication, inputs=b.inputs,
+            phase=b.phase, peak_node=b.peak_node, saved_bytes=b.saved_bytes,
+            step_flops=b.step_flops, recompute_flops=b.recompute_flops,
+        )
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    name: str  # "ulysses + sequence-aware", "ulysses + sequence-aware + tiled loss"
+    sp_mode: str  # "no-sp" | "ulysses"
+    remat: str
+    sp_size: int
+    dp_size: int
+    longest_seq: int  # 0: does not fit at the smallest S searched
+    capped: bool  # the search reached max_seq
+    at_longest: MemoryPrediction | None
+    at_seq: MemoryPrediction | None  # at PlanResult.seq_len
+    curve: tuple[tuple[int, int], ...]  # (S, predicted peak)
+    tile_loss: bool = False  # autosp.compile(tile_loss=True)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: str
+    config: LlamaConfig
+    gpus: int
+    sp: int
+    gpu_memory: int
+    dtype: str
+    batch_size: int
+    optimizer_sharding: str
+    seq_multiple: int
+    seq_len: int
+    strategies: tuple[StrategyPlan, ...]
+    num_params: int
+    trace_seconds: float
+    plot: str | None = None
+    fsdp: bool = False
+
+    def strategy(self, name: str) -> StrategyPlan:
+        for s in self.strategies:
+            if s.name == name:
+                return s
+        raise KeyError(f"no strategy {name!r}; have {[s.name for s in self.strategies]}")
+
+    def table(self) -> str:
+        gib = float(1 << 30)
+        lines = [
+            f"autosp plan (prediction): {self.model}, {self.num_params / 1e9:.2f}B parameters, "
+            f"{self.gpus} GPUs x {self.gpu_memory / gib:.0f} GiB, dtype {self.dtype}, "
+            f"batch {self.batch_size}, " + (
+                "parameters, gradients and optimizer state sharded over all GPUs (fsdp)"
+                if self.fsdp else f"optimizer state sharded over {self.optimizer_sharding}"),
+            f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
+            "state, saved activations, transient, communication; recomp: FLOPs computed again "
+            "(remat, tiled loss) over the step's",
+            f"{'strategy':<38} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
+            f"{'params':>7} {'grads':>7} {'optim':>7} {'saved':>7} {'trans':>7} {'comm':>6} "
+            f"{'recomp':>7}  peak during",
+        ]
+        for s in self.strategies:
+            longest = "none" if s.longest_seq == 0 else (
+                f">={s.longest_seq}" if s.capped else str(s.longest_seq))
+            b = s.at_seq
+            if b is None:
+                detail = "   (S not a multiple of this strategy's SP degree)"
+            else:
+                oom = "*" if b.peak > self.gpu_memory else " "
+                detail = (
+                    f"{b.peak / gib:>7.2f}{oom} {b.parameters / gib:>6.2f} {b.gradients / gib:>7.2f} "
+                    f"{b.optimizer_state / gib:>7.2f} {b.saved_activations / gib:>7.2f} "
+                    f"{b.transient / gib:>7.2f} {b.communication / gib:>6.2f} "
+                    f"{f'+{100 * b.recompute_overhead:.0f}%':>7}  {b.phase} ({b.peak_node})"
+                )
+            lines.append(
+                f"{s.name:<38} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
+            )
+        lines.append("* over the budget. Longest S is searched over multiples of "
+                     f"{self.seq_multiple}.")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = asdict(self.config)
+        return d
