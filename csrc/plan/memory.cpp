@@ -135,11 +135,6 @@ std::vector<std::vector<int32_t>> node_inputs(const MemoryGraph& graph) {
 
 namespace {
 
-// "layers.3" -> true; "lm_head", "" -> false. Full checkpointing wraps each such layer.
-bool in_checkpointed_layer(const std::string& layer) {
-  return !layer.empty() && std::isdigit(static_cast<unsigned char>(layer.back()));
-}
-
 // Full activation checkpointing of every layer, as torch.utils.checkpoint around each decoder
 // layer does: a value computed inside a layer is saved only if it leaves the layer (it is then
 // the next layer's input); everything else inside the layer that the backward needs is
@@ -154,7 +149,7 @@ std::vector<RematFate> full_checkpoint_fates(const MemoryGraph& graph) {
   }
   auto leaves_layer = [&](int32_t i) {
     const std::string& layer = nodes[i].facts.layer;
-    if (!in_checkpointed_layer(layer)) return true;
+    if (!is_numbered_layer(layer)) return true;  // full checkpointing wraps numbered layers
     for (int32_t u : nodes[i].facts.users) {
       if (is_forward_op(nodes[u]) && nodes[u].facts.layer != layer) return true;
     }

@@ -17,12 +17,16 @@
 //                   bans and its distance-to-backward weighting. The baseline.
 //   kSequenceAware  bans from a cost model evaluated at the actual sequence length. Attention,
 //                   collectives, random ops and ops the caller marked must_save are never
-//                   recomputed. Cheap ops (PyTorch's allowlist) are recomputable. Matmuls are
-//                   recomputable while their summed forward FLOPs stay within
-//                   recompute_flops_ratio x the step's attention FLOPs (forward + backward
-//                   attention nodes of this graph); candidates are admitted in order of bytes
-//                   saved per FLOP, most first. Capacities are bytes (plus a distance tie-break
-//                   that prefers saving values close to the backward).
+//                   recomputed, nor is a value a numbered layer hands to another (the hidden
+//                   state between decoder layers): each layer then recomputes from its own
+//                   input, just before its backward, instead of every layer's recomputation
+//                   running at the start of the backward and staying live until its layer's
+//                   turn (measured: 4 layers, 17.7 MiB saved but a 65 MiB transient peak). Cheap
+//                   ops (PyTorch's allowlist) are recomputable. Matmuls are recomputable while
+//                   their summed forward FLOPs stay within recompute_flops_ratio x the step's
+//                   attention FLOPs (forward + backward attention nodes of this graph); candidates
+//                   are admitted in order of bytes saved per FLOP, most first. Capacities are bytes
+//                   (plus a distance tie-break that prefers saving values close to the backward).
 // With a MemoryBudget the solver instead finds the fewest matmul recomputations (same
 // admission order, FLOP cap lifted) whose saved bytes fit the budget, or throws.
 //
@@ -89,6 +93,13 @@ struct RematNode {
 
   bool operator==(const RematNode&) const = default;
 };
+
+// Whether a RematNode::layer names a numbered layer, a decoder layer of the model ("layers.3",
+// "model.h.0"; not "lm_head", "norm" or ""): the unit full checkpointing wraps, and whose
+// outputs sequence-aware remat keeps.
+inline bool is_numbered_layer(const std::string& layer) {
+  return !layer.empty() && layer.back() >= '0' && layer.back() <= '9';
+}
 
 struct RematGraph {
   std::vector<RematNode> nodes;

@@ -186,11 +186,30 @@ std::vector<int32_t> matmul_candidates(const RematGraph& graph) {
   return candidates;
 }
 
+namespace {
+
+// A forward value computed inside a numbered layer and read by a forward op of another layer
+// (or outside layers): the hidden state one decoder layer hands to the next.
+bool leaves_layer(const RematGraph& graph, int32_t i) {
+  const RematNode& node = graph.nodes[i];
+  if (!is_numbered_layer(node.layer)) return false;
+  for (int32_t u : node.users) {
+    const RematNode& user = graph.nodes[u];
+    if (user.required_fw && !(user.required_bw && user.tangents_closure) &&
+        user.layer != node.layer)
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, Bans& bans) {
   const auto& nodes = p.graph->nodes;
   for (int32_t i = 0; i < static_cast<int32_t>(nodes.size()); ++i) {
     const RematNode& node = nodes[i];
     if (!shared_bans(node, i, bans)) continue;
+    if (leaves_layer(*p.graph, i)) bans.ban(i, "a layer's output to the next layer");
     switch (node.kind) {
       case RematOpKind::kCollective:
         bans.ban(i, "collective");

@@ -269,6 +269,55 @@ TEST(MemoryFlops, StepAndRecomputedFlopsPerStrategy) {
   EXPECT_DOUBLE_EQ(bi.step_flops, step);
 }
 
+// Sequence-aware remat keeps the hidden state a layer hands to the next: otherwise the cheapest
+// cut saves the small input and recomputes every layer from it at the start of the backward,
+// where all of it stays live until each layer's backward runs.
+TEST(MemorySequenceAware, KeepsTheHiddenStateBetweenLayers) {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  const int x = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(1, 1)});
+  const int h0 =
+      g.add(S{.name = "h0", .bytes = SeqBytes::term(4, 1), .inputs = {x}, .layer = "layers.0"});
+  const int h1 =
+      g.add(S{.name = "h1", .bytes = SeqBytes::term(4, 1), .inputs = {h0}, .layer = "layers.1"});
+  const int y =
+      g.add(S{.name = "y", .bytes = SeqBytes::term(4, 1), .inputs = {h1}, .layer = "layers.1"});
+  g.add(S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {y}, .forward_output = true});
+  const int t = g.add(S{.name = "t",
+                        .role = MemoryRole::kTangent,
+                        .bytes = SeqBytes::constant(4),
+                        .fw = false,
+                        .tangent = true});
+  const int g1 = g.add(S{.name = "g1",
+                         .bytes = SeqBytes::term(4, 1),
+                         .inputs = {t, y},
+                         .fw = false,
+                         .tangent = true,
+                         .layer = "layers.1"});
+  g.add(S{.name = "g0",
+          .bytes = SeqBytes::term(4, 1),
+          .inputs = {g1, h0},
+          .fw = false,
+          .tangent = true,
+          .layer = "layers.0"});
+  RematGraph facts;
+  for (const MemoryNode& m : g.graph.nodes) facts.nodes.push_back(m.facts);
+  RematOptions o;
+  o.policy = RematPolicy::kSequenceAware;
+  const RematSolution sol = solve_remat(facts, o);
+  EXPECT_EQ(sol.ban_reason[h0], "a layer's output to the next layer");
+  EXPECT_EQ(sol.ban_reason[y], "a layer's output to the next layer");  // the last, to the loss
+  EXPECT_TRUE(sol.ban_reason[h1].empty());  // read inside its own layer only
+  // Without the ban the cut is x alone (1 byte per position against 4): h0, h1 and y all
+  // recomputed at the start of the backward.
+  EXPECT_EQ(sol.fate[h0], RematFate::kSaved);
+  EXPECT_EQ(sol.fate[y], RematFate::kSaved);
+  EXPECT_NE(sol.fate[h1], RematFate::kRecomputed);
+  // The memory model decides the same (it calls the solver).
+  const auto fates = decide_fates(g.graph, 100, fp32_options(RematStrategy::kSequenceAware, 0));
+  EXPECT_EQ(fates[h0], RematFate::kSaved);
+}
+
 TEST(MemoryTrainability, LongestMultipleUnderBudget) {
   const MemoryGraph g = one_layer();
   const MemoryOptions o = fp32_options(RematStrategy::kNone, 25);
