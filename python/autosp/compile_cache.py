@@ -72,17 +72,22 @@ def marked_cacheable() -> dict[str, str]:
 # A RematReport is filled by autosp's partitioner, which a cache hit skips. So that a report
 # (and `autosp train`'s MFU, read from it) survives a hit, the report of each partition is kept
 # beside PyTorch's caches, under a key of what the partition depends on: the partitioner's
-# identity (policy and source_hash) and the graph with its inputs' types. A hit whose report is
-# not there is compiled again without the caches (compile_joint).
+# identity (policy and source_hash) and the graph with its inputs' types. Where no report is
+# there, the graph is compiled with AOTAutograd's cache off, so that the partitioner runs
+# (compile_joint).
 
 
-def report_key(gm: Any, example_inputs: Sequence[Any], partitioner_uuid: str) -> str:
+def report_key(gm: Any, partitioner_uuid: str) -> str:
+    """The key of the reports of ``gm``'s partition: the partitioner's identity, the graph's
+    code and its inputs' types with their symbolic sizes (as the AOTAutograd cache keys a
+    graph compiled with a dynamic length: a hit at another length reads the report of the
+    compilation that made the entry)."""
     h = hashlib.sha256(partitioner_uuid.encode())
     h.update(gm.code.encode())
-    for x in example_inputs:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        x = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(x, torch.Tensor):
-            h.update(repr((tuple(map(str, x.shape)), tuple(map(str, x.stride())), str(x.dtype),
-                           x.requires_grad)).encode())
+            h.update(repr((tuple(map(str, x.shape)), str(x.dtype), x.requires_grad)).encode())
         else:
             h.update(repr(type(x)).encode())
     return h.hexdigest()
@@ -113,6 +118,8 @@ def load_reports(key: str) -> list[Any] | None:
 
     try:
         raw = json.loads(_report_path(key).read_text())
+        if not isinstance(raw, list) or not raw:
+            return None  # a partition reports at least one graph
         return [GraphRematReport(**dict(g, layers=tuple(LayerRemat(**x) for x in g["layers"]),
                                         nodes=tuple(NodeRemat(**x) for x in g["nodes"])))
                 for g in raw]

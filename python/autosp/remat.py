@@ -149,8 +149,7 @@ def compile_joint(
 
     PyTorch's AOTAutograd and FX graph caches take these graphs (autosp.compile_cache). A
     ``report`` gets the partition's report also on a cache hit: the one saved beside the cache
-    when the partition was made, or, where there is none, by compiling again without the
-    graph-level caches.
+    when the partition was made (a warning where there is none).
     """
     if backend not in BACKENDS:
         raise AutospError(
@@ -182,34 +181,34 @@ def compile_joint(
     # autosp's SP functions in the graph get a key (autosp.compile_cache), so that AOTAutograd's
     # cache takes the graph rather than bypassing it.
     cacheable = marked_cacheable()
+    # A report is filled when the partitioner runs, which a cache hit skips: it is then read
+    # back from beside the cache (autosp.compile_cache), where the partition that made the
+    # cache entry saved it. (A graph module cannot be compiled a second time to make a missing
+    # report: AOTAutograd's first compile changes it.)
+    import torch
+
+    training = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+    key = report_key(gm, partitioner.uuid()) if report is not None and training else None
     with inductor_config.patch(custom_partitioner_fn=partitioner,
                                unsafe_marked_cacheable_functions=cacheable):
-        if report is None:
-            return compile_fx(gm, example_inputs)
-        # A report is filled when the partitioner runs; on a cache hit it is read back from
-        # beside the cache (autosp.compile_cache), or, where it is not there, the graph is
-        # compiled again with the graph-level caches off (compiled kernels stay cached).
-        key = report_key(gm, example_inputs, partitioner.uuid())
-        before = len(report.graphs)
+        before = len(report.graphs) if report is not None else 0
         compiled = compile_fx(gm, example_inputs)
-        if len(report.graphs) > before:
-            save_reports(key, report.graphs[before:])
-            return compiled
-        stored = load_reports(key)
-        if stored is not None:
-            report.graphs.extend(stored)
-            return compiled
-    from torch._functorch import config as functorch_config
+    if key is None:
+        return compiled
+    if len(report.graphs) > before:
+        save_reports(key, report.graphs[before:])
+    elif (stored := load_reports(key)) is not None:
+        report.graphs.extend(stored)
+    else:
+        import warnings
 
-    with (
-        inductor_config.patch(
-            custom_partitioner_fn=partitioner, fx_graph_cache=False, fx_graph_remote_cache=False,
-            unsafe_marked_cacheable_functions=cacheable,
-        ),
-        functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
-    ):
-        compiled = compile_fx(gm, example_inputs)
-    save_reports(key, report.graphs[before:])
+        warnings.warn(
+            "[remat] PyTorch's AOTAutograd cache held this compiled graph (a cache hit skips "
+            "autosp's partitioner) but not the remat report autosp saves beside it (a cache "
+            "filled by a compilation without remat_report, or a report removed): the report stays "
+            "without this graph. Clear the cache directory (TORCHINDUCTOR_CACHE_DIR), or set "
+            "torch._functorch.config.enable_autograd_cache = False, to have it.", stacklevel=2)
     return compiled
 
 
