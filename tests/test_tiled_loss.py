@@ -220,7 +220,25 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
     """``autosp plan``'s memory model on the tiled loss (its ops' workspace from
     autosp.tiled_loss.workspace) against a real step on rank 0 of 2 (fake process group):
     saved bytes exact, the peak within 10%, tiled and untiled, with the default chunks and
-    with 128 rows per chunk (measured: +0.1% untiled; -4% and -1% tiled)."""
+    with 128 rows per chunk (measured: +0.1% untiled; +1.6% and -1.5% tiled, in a fresh process).
+
+    The step runs in a fresh process: in the whole suite's process the same tiled step once
+    measured a peak of 11.8 MB where a fresh process measures 13.9 MB (saved bytes equal);
+    not explained yet (see the closing note of 2026-12-02)."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = pool.submit(_predict_and_measure_tiled, rows).result(timeout=600)
+    for tile, predicted_saved, measured_saved, predicted_peak, measured_peak, recompute, logits_flops in results:
+        print(f"tile_loss={tile}: predicted {predicted_peak}, measured {measured_peak}")
+        assert predicted_saved == measured_saved
+        assert abs(predicted_peak - measured_peak) <= 0.10 * measured_peak
+        # The tiled backward recomputes this rank's logits: 2 * rows * hidden * vocab more.
+        assert recompute == pytest.approx(logits_flops if tile else 0, rel=1e-9)
+
+
+def _predict_and_measure_tiled(rows: str | None) -> list[tuple]:
     import autosp
     from autosp import _core, measure, planner
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
@@ -230,6 +248,7 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_layers=1,
                       num_heads=4, num_kv_heads=2)
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    out = []
     with _rank0_of_2(rows) as mesh:
         for tile in (False, True):
             torch._dynamo.reset()
@@ -242,14 +261,12 @@ def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
             predicted = _core.simulate_peak_memory(
                 traced.graph, seq,
                 planner._core_options("sequence-aware", "fp32", traced.num_params, 1))
-            print(f"tile_loss={tile}: predicted {predicted.peak}, measured {measured.peak_bytes}")
-            assert predicted.saved_bytes == measured.saved_bytes
-            assert abs(predicted.peak - measured.peak_bytes) <= 0.10 * measured.peak_bytes
-            # The tiled backward recomputes this rank's logits: 2 * rows * hidden * vocab more.
             none = _core.simulate_peak_memory(
                 traced.graph, seq, planner._core_options("none", "fp32", traced.num_params, 1))
-            logits_flops = 2 * (2 * seq // 2) * cfg.hidden_size * vocab
-            assert none.recompute_flops == pytest.approx(logits_flops if tile else 0, rel=1e-9)
+            out.append((tile, predicted.saved_bytes, measured.saved_bytes, predicted.peak,
+                        measured.peak_bytes, none.recompute_flops,
+                        2 * (2 * seq // 2) * cfg.hidden_size * vocab))
+    return out
 
 
 def _errors_worker(rank: int, world: int) -> list[str]:
