@@ -1,5 +1,5 @@
-// The Ulysses plan builder's loss emitter: cross-entropy over each rank's tokens, reduced over
-// the group, and its tiled form (SpConfig::tile_loss).
+// The Ulysses plan's loss emitter: cross-entropy over each rank's tokens, reduced over the
+// group (placed by propagate_ops.cpp), and its tiled form (SpConfig::tile_loss).
 //
 // Tiled loss: ALST-style, on the user's unchanged model. The logits of a language model's
 // loss are [tokens, vocab]: at 128k tokens per rank and a 128k vocabulary, 64 GiB in fp32.
@@ -81,7 +81,7 @@ std::optional<PlanBuilder::HeadTile> PlanBuilder::head_tile(const Node& ce) {
       return refuse(where(m) + " runs under torch.autocast, which the chunks would not replay");
     // A later in-place write into h, the logits or a view of them: the chunks, computed from h
     // at the loss, would not see it.
-    if (const Node* w = later_write_to_aliases(m))
+    if (const Node* w = later_write_to_aliases(in_, m))
       return refuse(
           "the in-place '" + w->op + "' " +
           (w->loc.empty() ? "" : "at " + w->loc.file + ":" + std::to_string(w->loc.line)) +
@@ -162,50 +162,16 @@ int PlanBuilder::copy_loss(const Node& n, std::vector<int> args, const Placement
 }
 
 void PlanBuilder::emit_cross_entropy(const Node& n) {
+  const NodePlacement& d = prop_.nodes.at(static_cast<size_t>(n.id));
   const std::optional<HeadTile> tile = head_tile(n);
-  std::vector<int> ins = mapped_inputs(n);
-  for (int& v : ins) {
-    if (v >= 0) v = to_sequence(v, n.loc);  // values split by heads (heads.cpp)
-    if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
-  }
-  const Placement px = placement(ins[0]);
-  const Placement pt = placement(ins[1]);
-  if (px.is_replicate() && pt.is_replicate()) {
-    copy_loss(n, ins, Placement::replicate(), {}, tile);
+  std::vector<int> args = mapped_inputs(n);
+  for (size_t i = 0; i < args.size(); ++i)
+    if (args[i] >= 0) args[i] = apply_steps(n, i, args[i]);
+  if (d.results.at(0).is_replicate()) {
+    copy_loss(n, args, Placement::replicate(), {}, tile);
     return;
   }
-  if (ins.size() > 2 && ins[2] >= 0)
-    throw PlanError(kPass, n, "a class-weight tensor", "cross-entropy without class weights",
-                    "Weighted cross-entropy is not supported under sequence parallelism yet.");
-  const Value& x = val(ins[0]);
-  if (px.is_local() && px.dim == 0 && x.rank() == 2 && pt.is_local() && pt.dim == 0 &&
-      val(ins[1]).shape.at(0) == x.shape.at(0)) {
-    // Rows selected on each rank (logits[mask], labels[mask]): per-row losses stay local,
-    // their sum is partial, their mean divides by the valid targets of every rank.
-    emit_loss_over_tokens(n, ins, Placement::local(0), tile);
-    return;
-  }
-  if (px.is_local())
-    throw PlanError(kPass, n,
-                    "logits " + shape_str(x.shape) + " placed " + px.str() +
-                        " (rows selected on each rank) and targets " +
-                        shape_str(val(ins[1]).shape) + " placed " + pt.str(),
-                    "targets selected like the logits",
-                    "Select both with the same positions (torch.where on a mask over "
-                    "activations). A mask built from the labels alone is replicated: compute "
-                    "the loss with reduction='none' and average it with the mask instead.");
-  if (!px.is_shard() || px.dim == 1 || (x.rank() > 1 && px.dim == 0 && x.rank() != 2) ||
-      (x.rank() == 2 && px.dim != 0))
-    throw PlanError(kPass, n, "logits " + shape_str(x.shape) + " placed " + px.str(),
-                    "logits sharded along the token dim ([N, C] sharded on N)");
-  // Class indices lack the class dim (1); class probabilities have the logits' shape.
-  const int tdim = px.dim == 0 || is_float(val(ins[1]).dtype) ? px.dim : px.dim - 1;
-  if (pt.is_shard() && !(pt == Placement::shard(tdim, px.inner)))
-    throw PlanError(kPass, n, "targets placed " + pt.str() + " and logits placed " + px.str(),
-                    "targets sharded like the logits' token dim");
-  std::vector<int> args = ins;
-  if (pt.is_replicate()) args[1] = slice(ins[1], tdim, px.inner, n.loc);
-  emit_loss_over_tokens(n, args, Placement::shard(tdim, px.inner), tile);
+  emit_loss_over_tokens(n, args, d.results[0], tile);
 }
 
 void PlanBuilder::emit_loss_over_tokens(const Node& n, const std::vector<int>& args,

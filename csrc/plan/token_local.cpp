@@ -1,11 +1,11 @@
-// The Ulysses plan builder's driver for token-local regions (see analysis/rules_local.cpp):
+// Placement propagation's driver for token-local regions (see analysis/rules_local.cpp):
 // which nodes read a local selection or this rank's count of one, the counts that selections
 // from one mask share, fresh destinations written in place, and the ops that take whole
 // sequences only.
 #include <algorithm>
 #include <set>
 
-#include "plan/plan_builder.h"
+#include "plan/propagator.h"
 
 namespace autosp::plan_detail {
 
@@ -24,21 +24,21 @@ const std::set<std::string>& fill_ops() {
 
 }  // namespace
 
-void PlanBuilder::note_local_count(const Node& n, const std::vector<int>& mapped_inputs,
-                                   const Dim& count) {
+void Propagator::note_local_count(const Node& n, const std::vector<Operand>& ops,
+                                  const Dim& count) {
   if (!count.is_opaque()) return;
   local_counts_.insert(count.opaque);
   // torch.where(mask) and x[mask] select mask.sum() rows.
   const bool by_mask =
       (n.op == "nonzero" || (n.op == "index" && n.bool_attr("index_bool", false))) &&
-      mapped_inputs.size() == (n.op == "nonzero" ? 1u : 2u);
+      ops.size() == (n.op == "nonzero" ? 1u : 2u);
   if (!by_mask) return;
-  const int mask = mapped_inputs.back();
+  const std::pair<int, std::string> mask{ops.back().id, ops.back().p.str()};
   auto [it, fresh] = count_of_mask_.emplace(mask, count.opaque);
-  if (!fresh && it->second != count.opaque) same_count_[count.opaque] = it->second;
+  if (!fresh && it->second != count.opaque) out_.same_count[count.opaque] = it->second;
 }
 
-bool PlanBuilder::fresh_fill(const Node& n, int value) const {
+bool Propagator::fresh_fill(const Node& n, int value) const {
   const int p = in_.producer(value);
   if (p < 0) return false;
   const std::string& op = in_.nodes[static_cast<size_t>(p)].op;
@@ -49,21 +49,21 @@ bool PlanBuilder::fresh_fill(const Node& n, int value) const {
   return readers == 1 && std::count(n.inputs.begin(), n.inputs.end(), value) == 1;
 }
 
-void PlanBuilder::refuse_local_operands(const Node& n) const {
+void Propagator::refuse_local_operands(const Node& n) const {
   for (size_t i = 0; i < n.inputs.size(); ++i) {
-    const int v = mapped(n.inputs[i]);
-    if (v < 0 || !placement(v).is_local()) continue;
+    const int v = n.inputs[i];
+    if (v < 0 || !out_.values[static_cast<size_t>(v)].is_local()) continue;
     throw PlanError(
         kPass, n,
-        "input " + std::to_string(i) + " " + shape_str(val(v).shape) + " placed " +
-            placement(v).str() +
+        "input " + std::to_string(i) + " " + shape_str(in_.value(v).shape) + " placed " +
+            out_.values[static_cast<size_t>(v)].str() +
             ", a token-local value (a data-dependent selection of this rank's tokens)",
         n.op == "output" ? "outputs over the whole sequence" : "operands over the whole sequence",
         "Write the routed rows back into the token dim (index_add_) first.");
   }
 }
 
-bool PlanBuilder::reads_local_count(const Node& n) const {
+bool Propagator::reads_local_count(const Node& n) const {
   const std::string symbols = n.str_attr("unbacked", "");
   for (size_t b = 0, e; b < symbols.size(); b = e + 1) {
     e = std::min(symbols.find(',', b), symbols.size());
@@ -72,7 +72,7 @@ bool PlanBuilder::reads_local_count(const Node& n) const {
   return false;
 }
 
-int PlanBuilder::local_count_dim(const Node& n) const {
+int Propagator::local_count_dim(const Node& n) const {
   if (!fill_ops().count(n.op) || n.outputs.size() != 1) return -1;
   const Value& out = in_.value(n.outputs[0]);
   for (int d = 0; d < out.rank(); ++d) {
@@ -82,7 +82,7 @@ int PlanBuilder::local_count_dim(const Node& n) const {
   return -1;
 }
 
-void PlanBuilder::refuse_count_as_number(const Node& n, const std::vector<int>& ins) const {
+void Propagator::refuse_count_as_number(const Node& n, const std::vector<Operand>& ops) const {
   // This rank's count of selected tokens, read as a number: one device reads the count of the
   // whole batch. Sizes of new tensors (views, zeros of that many rows) are fine: they list
   // the same selection. Checked before anything else (a partial sum divided by the count
@@ -90,7 +90,7 @@ void PlanBuilder::refuse_count_as_number(const Node& n, const std::vector<int>& 
   if (!reads_local_count(n)) return;
   static const std::set<std::string> symbolic = {"nontensor", "sym_arith", "sym_size"};
   const bool local_in =
-      std::any_of(ins.begin(), ins.end(), [&](int v) { return placement(v).is_local(); });
+      std::any_of(ops.begin(), ops.end(), [](const Operand& o) { return o.p.is_local(); });
   if (symbolic.count(n.op) || (local_in && size_ops().count(n.op)) ||
       (!local_in && local_count_dim(n) >= 0))
     return;
@@ -104,21 +104,19 @@ void PlanBuilder::refuse_count_as_number(const Node& n, const std::vector<int>& 
                   "(mask.sum()).");
 }
 
-std::optional<RuleResult> PlanBuilder::token_local(const Node& n, const std::vector<int>& ins) {
+std::optional<RuleResult> Propagator::token_local(const Node& n, const std::vector<Operand>& ops) {
   const bool local_in =
-      std::any_of(ins.begin(), ins.end(), [&](int v) { return placement(v).is_local(); });
+      std::any_of(ops.begin(), ops.end(), [](const Operand& o) { return o.p.is_local(); });
   if (!local_in) {
     // zeros / ones / empty with this rank's count of rows: a local value of that selection.
     const int d = reads_local_count(n) ? local_count_dim(n) : -1;
     if (d < 0) return std::nullopt;
     RuleResult res;
     res.out = {Placement::local(d)};
-    res.operands.assign(ins.size(), OperandChange::keep());
+    res.operands.assign(ops.size(), OperandChange::keep());
     return res;
   }
-  Graph& g = scratch_graph(n, ins);
-  RuleInput r{g, g.nodes.back(), placements_of(ins), cfg_.sp_size};
-  return local_rule(r);
+  return call_rule(&local_rule, n, ops);
 }
 
 }  // namespace autosp::plan_detail

@@ -21,28 +21,42 @@ SpPlan PlanBuilder::run() {
     if (n.op == "input") {
       emit_input(n);
     } else if (n.op == "output") {
-      refuse_local_operands(n);
       emit_output(n);
     } else {
       const OpRule* rule = rule_for(n);
       switch (rule ? rule->emitter : Emitter::Rule) {
         case Emitter::Attention:
-          refuse_local_operands(n);
           emit_sdpa(n);
           break;
         case Emitter::CrossEntropy:
           emit_cross_entropy(n);
           break;
         case Emitter::Rule:
-          emit_generic(n, rule);
+          emit_generic(n);
           break;
       }
     }
+    check_outputs(n);
   }
   eliminate_dead_nodes();
   if (cfg_.bucket_grad_sync) bucket_grad_syncs();
-  return SpPlan{std::move(out_), std::move(place_), std::move(gathered_ops_),
-                std::move(loss_tiling_), std::move(vmap_)};
+  SpPlan plan;
+  plan.graph = std::move(out_);
+  plan.placements = std::move(place_);
+  plan.gathered = prop_.gathered;
+  plan.loss_tiling = std::move(loss_tiling_);
+  return plan;
+}
+
+void PlanBuilder::check_outputs(const Node& n) const {
+  for (int o : n.outputs) {
+    const int v = mapped(o);
+    const Placement& decided = prop_.values.at(static_cast<size_t>(o));
+    if (v >= 0 && !(placement(v) == decided))
+      throw std::logic_error("[autosp:ulysses] internal error: op '" + n.op + "' (" + n.loc.str() +
+                             ") emitted %" + std::to_string(o) + " placed " + placement(v).str() +
+                             ", propagation decided " + decided.str());
+  }
 }
 
 std::string PlanBuilder::bucket_of(const std::string& path) {
@@ -128,12 +142,7 @@ std::vector<int> PlanBuilder::emit(const std::string& op, std::vector<int> input
   n.inputs = std::move(inputs);
   n.attrs = std::move(attrs);
   n.loc = loc;
-  const bool from_gathered = std::any_of(n.inputs.begin(), n.inputs.end(),
-                                         [&](int v) { return gathered_values_.count(v) > 0; });
-  for (auto& [v, p] : outs) {
-    n.outputs.push_back(new_value(v, p));
-    if (from_gathered && p.is_replicate()) gathered_values_.insert(n.outputs.back());
-  }
+  for (auto& [v, p] : outs) n.outputs.push_back(new_value(v, p));
   std::vector<int> ids = n.outputs;
   out_.add_node(std::move(n));
   return ids;
@@ -152,15 +161,10 @@ int PlanBuilder::copy_node(const Node& n, std::vector<int> inputs,
     for (int64_t r : c.ints_attr("refs")) refs.push_back(mapped(static_cast<int>(r)));
     c.attrs["refs"] = refs;
   }
-  const bool from_gathered = std::any_of(c.inputs.begin(), c.inputs.end(),
-                                         [&](int v) { return gathered_values_.count(v) > 0; });
   for (size_t i = 0; i < n.outputs.size(); ++i) {
-    const Placement& p = outs.at(i);
-    if (p.is_local()) note_local_count(n, c.inputs, in_.value(n.outputs[i]).shape.at(p.dim));
-    int id = new_value(same_counts(in_.value(n.outputs[i])), p);
+    int id = new_value(prop_.with_same_counts(in_.value(n.outputs[i])), outs.at(i));
     vmap_[static_cast<size_t>(n.outputs[i])] = id;
     c.outputs.push_back(id);
-    if (from_gathered && p.is_replicate()) gathered_values_.insert(id);
   }
   return out_.add_node(std::move(c));
 }
@@ -175,7 +179,7 @@ void PlanBuilder::set_grad_mode(bool enabled) {
 }
 
 int PlanBuilder::grad_sync(int v, const SourceLoc& loc) {
-  if (!val(v).requires_grad || !grad_enabled_) return v;
+  if (!needs_grad_sync(val(v), grad_enabled_)) return v;
   auto it = grad_sync_cache_.find(v);
   if (it != grad_sync_cache_.end()) return it->second;
   int id = emit("sp.grad_sync", {v}, {}, {{val(v), Placement::replicate()}}, loc)[0];
@@ -213,6 +217,16 @@ int PlanBuilder::slice(int v, int dim, int64_t inner, const SourceLoc& loc) {
   return id;
 }
 
+int PlanBuilder::gather(int v, const SourceLoc& loc) {
+  auto it = gather_cache_.find(v);
+  if (it != gather_cache_.end()) return it->second;
+  const Placement p = placement(v);
+  const int id = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
+                      {{val(v), Placement::replicate()}}, loc)[0];
+  gather_cache_[v] = id;
+  return id;
+}
+
 int PlanBuilder::reduce_partial(int v, const SourceLoc& loc) {
   auto it = reduce_cache_.find(v);
   if (it != reduce_cache_.end()) return it->second;
@@ -223,160 +237,78 @@ int PlanBuilder::reduce_partial(int v, const SourceLoc& loc) {
 
 void PlanBuilder::emit_input(const Node& n) {
   copy_node(n, {}, std::vector<Placement>(n.outputs.size(), Placement::replicate()), {});
-  // A floating-point activation fed in at full length ([B, S, D] embeddings) is sharded
-  // where it enters; token ids are sharded by the embedding that reads them.
+  // An activation fed in at full length is sharded where it enters (propagate.cpp).
   for (int old : n.outputs) {
-    int v = mapped(old);
-    const Value& value = val(v);
-    const int d = sequence_dim(value);
-    // A value with the sequence in two dims is a mask or bias over (query, key), not an
-    // activation: it stays replicated and is sliced where it meets sharded values.
-    const auto seq_dims = std::count_if(value.shape.begin(), value.shape.end(),
-                                        [](const Dim& s) { return s.has_seq(); });
-    if (n.str_attr("role", "") == "data" && value.is_tensor() && is_float(value.dtype) &&
-        value.rank() >= 3 && d >= 0 && seq_dims == 1)
-      vmap_[static_cast<size_t>(old)] = slice(v, d, 1, n.loc);
+    const Placement& p = prop_.values.at(static_cast<size_t>(old));
+    if (p.is_shard()) vmap_[static_cast<size_t>(old)] = slice(mapped(old), p.dim, p.inner, n.loc);
   }
 }
 
 void PlanBuilder::emit_output(const Node& n) {
-  std::vector<int> ins;
-  for (int old : n.inputs) {
-    int v = to_sequence(mapped(old), n.loc);
-    Placement p = placement(v);
-    if (p.is_partial()) v = reduce_partial(v, n.loc);
-    if (p.is_shard() && cfg_.gather_outputs && val(v).shape.at(p.dim).offset != 0)
-      throw PlanError(kPass, n,
-                      "an output " + shape_str(val(v).shape) +
-                          " sharded unevenly (a slice dropped positions of the sequence)",
-                      "outputs over the whole sequence when outputs are gathered",
-                      "Return the value before slicing it, or reduce it inside the model.");
-    if (p.is_shard() && cfg_.gather_outputs)
-      v = emit("sp.all_gather", {v}, {{"dim", int64_t{p.dim}}, {"inner", p.inner}},
-               {{val(v), Placement::replicate()}}, n.loc)[0];
-    // Local outputs: a value computed on the gathered sequence is returned as this rank's
-    // chunk too, like the sharded values it stands in for.
-    if (!cfg_.gather_outputs && gathered_values_.count(v) && val(v).is_tensor())
-      if (const int d = sequence_dim(val(v)); d >= 0) v = slice(v, d, 1, n.loc);
-    ins.push_back(v);
-  }
+  std::vector<int> ins = mapped_inputs(n);
+  for (size_t i = 0; i < ins.size(); ++i)
+    if (ins[i] >= 0) ins[i] = apply_steps(n, i, ins[i]);
   copy_node(n, ins, {}, {});
 }
 
-std::vector<int> PlanBuilder::apply_operands(const Node& n, std::vector<int> ins,
-                                             const std::vector<OperandChange>& changes,
-                                             const std::vector<Placement>& outs) {
-  const bool distributed_out =
-      std::any_of(outs.begin(), outs.end(), [](const Placement& p) { return !p.is_replicate(); });
-  for (size_t i = 0; i < ins.size(); ++i) {
-    if (ins[i] < 0) continue;
-    const OperandChange& c = changes.at(i);
-    switch (c.kind) {
-      case OperandChange::Kind::Slice:
-        if (c.check_below > 0)
-          ins[i] = emit("sp.check_index", {ins[i]}, {{"below", c.check_below}},
-                        {{val(ins[i]), placement(ins[i])}}, n.loc)[0];
-        ins[i] = slice(ins[i], c.dim, c.inner, n.loc);
+int PlanBuilder::apply_steps(const Node& n, size_t i, int v, bool skip_exchange) {
+  for (const Step& s : prop_.nodes.at(static_cast<size_t>(n.id)).steps.at(i)) {
+    switch (s.kind) {
+      case Step::Kind::ToSequence:
+        v = to_sequence(v, n.loc);
         break;
-      case OperandChange::Kind::ReducePartial:
-        ins[i] = reduce_partial(ins[i], n.loc);
+      case Step::Kind::ReducePartial:
+        v = reduce_partial(v, n.loc);
         break;
-      case OperandChange::Kind::Exchange:
-        ins[i] = to_heads(ins[i], c.dim, c.gather_dim, n.loc);
+      case Step::Kind::Gather:
+        v = gather(v, n.loc);
         break;
-      case OperandChange::Kind::Keep:
-        if (distributed_out && placement(ins[i]).is_replicate() && val(ins[i]).is_tensor())
-          ins[i] = grad_sync(ins[i], n.loc);
+      case Step::Kind::CheckIndex:
+        v = emit("sp.check_index", {v}, {{"below", s.arg}}, {{val(v), placement(v)}}, n.loc)[0];
+        break;
+      case Step::Kind::Slice:
+        v = slice(v, s.dim, s.inner, n.loc);
+        break;
+      case Step::Kind::RepeatHeads: {
+        Value rv = val(v);
+        rv.shape.at(static_cast<size_t>(s.dim)) =
+            Dim::constant(rv.shape[static_cast<size_t>(s.dim)].coef * s.arg);
+        v = emit("sp.repeat_heads", {v}, {{"dim", int64_t{s.dim}}, {"repeats", s.arg}},
+                 {{rv, placement(v)}}, n.loc)[0];
+        break;
+      }
+      case Step::Kind::Exchange:
+        if (!skip_exchange) v = to_heads(v, s.dim, static_cast<int>(s.arg), n.loc);
+        break;
+      case Step::Kind::GradSync:
+        v = grad_sync(v, n.loc);
         break;
     }
   }
-  return ins;
+  return v;
 }
 
-bool PlanBuilder::partial_passes(const OpRule& rule, const Node& n,
-                                 const std::vector<int>& ins) const {
-  int partial = 0, tensors = 0, first_partial = -1;
-  for (size_t i = 0; i < ins.size(); ++i) {
-    if (ins[i] < 0 || !val(ins[i]).is_tensor()) continue;
-    ++tensors;
-    if (placement(ins[i]).is_partial()) {
-      if (first_partial < 0) first_partial = static_cast<int>(i);
-      ++partial;
-    } else if (!placement(ins[i]).is_replicate()) {
-      return false;
-    }
-  }
-  if (partial == 0) return false;
-  switch (rule.partial) {
-    case PartialBehaviour::Additive:
-      // P + 1 would add the 1 on every rank: a scalar operand needs the sum first.
-      return partial == tensors && !n.bool_attr("scalar_operand", false);
-    case PartialBehaviour::Scale:
-      return partial == 1 && (n.op != "div" || first_partial == 0);
-    case PartialBehaviour::Unary:
-      return tensors == 1;
-    case PartialBehaviour::Cast:
-      return tensors == 1 && n.outputs.size() == 1 &&
-             float_bits(in_.value(n.outputs[0]).dtype) >=
-                 std::max(1, float_bits(val(ins[static_cast<size_t>(first_partial)]).dtype));
-    case PartialBehaviour::Reduce:
-      return false;
-  }
-  return false;
-}
-
-void PlanBuilder::emit_generic(const Node& n, const OpRule* rule) {
-  std::vector<int> ins = mapped_inputs(n);
-  refuse_count_as_number(n, ins);
-  if (rule && partial_passes(*rule, n, ins)) {
-    std::vector<Placement> outs(n.outputs.size(), Placement::partial());
-    std::vector<OperandChange> keep(ins.size(), OperandChange::keep());
-    copy_node(n, apply_operands(n, ins, keep, outs), outs, {});
-    return;
-  }
-  for (int& v : ins)
-    if (v >= 0 && placement(v).is_partial()) v = reduce_partial(v, n.loc);
-  RuleResult res = decide_or_gather(n, rule, ins);
-  // An in-place op writes into its first operand: it must not be a sliced copy of a
-  // replicated tensor (the write would miss the tensor, and any view of it, read later).
-  if (n.bool_attr("inplace", false) && !res.operands.empty() &&
-      res.operands[0].kind != OperandChange::Kind::Keep && !fresh_fill(n, n.inputs[0]))
-    throw PlanError(kPass, n,
-                    "an in-place '" + n.op + "' into a replicated " + shape_str(val(ins[0]).shape) +
-                        " from sequence-sharded values",
-                    "a destination sharded like the values written into it",
-                    "Allocate the destination from a sharded tensor (x.new_empty(...), "
-                    "torch.zeros_like(x)) or compute the result out of place (a new "
-                    "torch.zeros(...) is made local only when nothing but this write reads it).");
-  std::vector<int> args = apply_operands(n, ins, res.operands, res.out);
-  switch (res.expansion) {
+void PlanBuilder::emit_generic(const Node& n) {
+  const NodePlacement& d = prop_.nodes.at(static_cast<size_t>(n.id));
+  std::vector<int> args = mapped_inputs(n);
+  for (size_t i = 0; i < args.size(); ++i)
+    if (args[i] >= 0) args[i] = apply_steps(n, i, args[i]);
+  switch (d.expansion) {
     case Expansion::MeanPartial:
       return emit_mean_partial(n, std::move(args));
     case Expansion::Halo:
-      return emit_halo(n, std::move(args), res);
+      return emit_halo(n, std::move(args), d);
     case Expansion::Shift:
-      return emit_shift(n, std::move(args), res);
+      return emit_shift(n, std::move(args), d);
     case Expansion::ToSequence:
-      return emit_to_sequence(n, std::move(args), res);
+      return emit_to_sequence(n, std::move(args), d);
     case Expansion::Scan:
     case Expansion::Combine:
-      return emit_cross_rank(n, std::move(args), res.expansion == Expansion::Scan);
+      return emit_cross_rank(n, std::move(args), d);
     case Expansion::None:
-      copy_node(n, std::move(args), res.out, res.attr_updates);
+      copy_node(n, std::move(args), d.results, d.attr_updates);
       return;
   }
-}
-
-Graph& PlanBuilder::scratch_graph(const Node& n, const std::vector<int>& ins) {
-  scratch_.values.clear();
-  scratch_.nodes.clear();
-  Node c = n;
-  c.inputs.clear();
-  c.outputs.clear();
-  for (int v : ins) c.inputs.push_back(v < 0 ? -1 : scratch_.add_value(val(v)));
-  for (int o : n.outputs) c.outputs.push_back(scratch_.add_value(same_counts(in_.value(o))));
-  scratch_.add_node(std::move(c));
-  return scratch_;
 }
 
 }  // namespace plan_detail
@@ -395,6 +327,10 @@ std::map<std::string, int> SpPlan::collective_counts() const {
   return counts;
 }
 
+std::string print_placements(const Graph& in, const SpPlan& plan) {
+  return print_placements(in, plan.propagation);
+}
+
 std::string SpPlan::str() const {
   std::vector<std::string> notes;
   for (const Placement& p : placements) notes.push_back(p.str());
@@ -402,10 +338,10 @@ std::string SpPlan::str() const {
 }
 
 SpPlan plan_ulysses(const Graph& g, const SpConfig& cfg) {
-  if (cfg.sp_size < 1)
-    throw std::invalid_argument("[plan_ulysses] sp_size must be >= 1, got " +
-                                std::to_string(cfg.sp_size));
-  return PlanBuilder(g, cfg).run();
+  Propagation prop = propagate_placements(g, cfg);  // validates cfg
+  SpPlan plan = PlanBuilder(g, cfg, prop).run();
+  plan.propagation = std::move(prop);
+  return plan;
 }
 
 }  // namespace autosp

@@ -4,6 +4,11 @@
 // Output: the same computation rewritten for one rank of an SP group of size P, as a new
 // graph whose inserted nodes are the SP ops below, plus a placement for every value.
 //
+// Two stages: placement propagation (propagate.h) decides every node's placements and the SP
+// steps its operands take; emission inserts those steps as SP ops, hoists slices of
+// replicated work onto the local chunk, tiles masks and losses, drops dead nodes and buckets
+// gradient syncs.
+//
 //   sp.slice(x) {dim, inner, outer}      keep this rank's 1/P chunk of the sequence factor
 //                                        of `dim` (or of a static dim such as heads)
 //   sp.grad_sync(x...)                   identity forward; all-reduce(sum) of the gradient
@@ -40,40 +45,10 @@
 
 #include "analysis/placement.h"
 #include "ir/graph.h"
+#include "plan/propagate.h"
+#include "plan/sp_config.h"
 
 namespace autosp {
-
-struct SpConfig {
-  int64_t sp_size = 1;
-  bool fuse_qkv = true;  // one all-to-all for q, k and v
-  // Parameters' grad syncs bucketed: one sp.grad_sync (one all-reduce of the flattened
-  // gradients) per layer instead of one per parameter. A parameter's layer is the prefix of
-  // its input's "path" attribute up to the first numbered component ("layers.3.mlp.up.weight"
-  // -> "layers.3"); parameters without one ("embed.weight", "norm.weight") share one bucket.
-  // Each bucket sits where its first parameter is first used, so in the backward it
-  // all-reduces as soon as that layer's gradients are complete, and only one layer's
-  // flattened gradients are in flight at a time.
-  bool bucket_grad_sync = true;
-  // Graph outputs sharded along the sequence (logits, hidden states, KV caches) are
-  // all-gathered so that each rank returns what the single-device model returns. With false
-  // they stay this rank's chunk (the loss and other replicated outputs are unchanged), which
-  // saves the gather and the full-length copy when only the loss is used.
-  bool gather_outputs = true;
-  // An op that has no sequence-parallel form for its sequence-sharded inputs (no rule, or a
-  // rule that refuses them: F.pad of the sharded dim, a sort along it, a slice inside it)
-  // gets them all-gathered to full length (sp.all_gather) and runs on the whole sequence on
-  // every rank, as on one device; what it produces stays replicated until it meets sharded
-  // values again, where it is sliced. Exact, but those activations are not split. Each such op
-  // is listed in SpPlan::gathered. With false the plan stops at the op (PlanError).
-  bool gather_unsupported = false;
-  // Cross-entropy over a projection to the classes (lm_head, then casts, pointwise ops and
-  // reshapes that keep the class dim, then the loss) runs as one tiled op over chunks of this
-  // rank's tokens (the cross_entropy node with attribute head_chain):
-  // the [tokens, classes] logits never exist whole, and the backward recomputes each chunk's
-  // logits (logits also read elsewhere are still made for that reader). A loss the chunks
-  // could not reproduce is left as written, with the reason in SpPlan::loss_tiling.
-  bool tile_loss = false;
-};
 
 struct SpPlan {
   Graph graph;
@@ -84,9 +59,8 @@ struct SpPlan {
   // With SpConfig::tile_loss: for each cross-entropy, in program order, "tiled: ..." or
   // "not tiled: <why>" with its source line.
   std::vector<std::string> loss_tiling;
-  // For each value of the input graph, the plan value later nodes read in its place (-1 for
-  // none).
-  std::vector<int> value_of_input;
+  // The first stage's decisions (propagate.h), which the graph carries out.
+  Propagation propagation;
 
   // Number of nodes per SP op ("sp.all_to_all" -> 2L for an L-layer model, ...).
   std::map<std::string, int> collective_counts() const;
@@ -94,13 +68,7 @@ struct SpPlan {
   std::string str() const;
 };
 
-// The placements the plan gave the input graph, one line per node: the operands the node ran
-// on (each input value with the placement it had there, and the SP op that made it so where
-// the plan inserted one) and its results as later nodes read them.
-//   %12 = linear(%9:S(1), %3:R[sp.grad_sync]) -> %12:S(1)  # model.py:40
-//   %20 = sdpa(%17:S(1)[sp.all_to_all], ...) -> %20:S(2)[sp.all_to_all]  # model.py:46
-// A replicated chain the plan moved onto the local chunk prints its clone's results and
-// "{hoisted}"; a node the plan dropped (nothing read its result) prints "dropped".
+// The placements the plan gave the input graph (print_placements of its propagation).
 std::string print_placements(const Graph& in, const SpPlan& plan);
 
 // Throws PlanError for a model the plan cannot make exact, std::invalid_argument for a

@@ -298,7 +298,7 @@ def plan_ulysses(graph: Graph, config: SpConfig) -> SpPlan:
 
 def print_placements(graph: Graph, plan: SpPlan) -> str:
     """
-    The placements a plan gave the input graph, one line per node: the operands it ran on (with the SP op that made each so) and its results.
+    The placements the plan's propagation stage decided for the input graph, one line per node: the operands it reads (with the SP steps that make each so) and its results.
     """
 
 def registered_ops() -> list[str]:

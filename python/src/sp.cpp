@@ -67,9 +67,12 @@ void init_sp(nb::module_& m) {
       nb::arg("graph"), nb::arg("config"),
       "Plan Ulysses sequence parallelism for one rank; raises PlanError for models it cannot make "
       "exact.");
-  m.def("print_placements", &print_placements, nb::arg("graph"), nb::arg("plan"),
-        "The placements a plan gave the input graph, one line per node: the operands it ran on "
-        "(with the SP op that made each so) and its results.");
+  m.def(
+      "print_placements",
+      [](const Graph& g, const SpPlan& plan) { return print_placements(g, plan); },
+      nb::arg("graph"), nb::arg("plan"),
+      "The placements the plan's propagation stage decided for the input graph, one line per "
+      "node: the operands it reads (with the SP steps that make each so) and its results.");
   m.def("registered_ops", &registered_ops,
         "Canonical ops with a placement rule or their own emitter (the op table's rows).");
 }

@@ -1,6 +1,8 @@
-// Placement propagation, printed: for each model, every input node with the placements of the
-// operands it ran on (and the SP op that made each so) and of its results, as
-// print_placements writes them. A change in how any op is placed shows up here as a line diff.
+// Placement propagation (plan/propagate.h), the plan's first stage, run alone and printed: for
+// each model, every input node with the placements of the operands it reads (and the SP steps
+// that make each so) and of its results, as print_placements writes them. A change in how any
+// op is placed shows up here as a line diff. Each model is also planned whole, and its plan
+// must carry the same decisions out (emission checks every value it makes against them).
 //
 // Golden files live in tests/cpp/golden/placements_*.txt; after an intended change, rerun with
 // AUTOSP_UPDATE_GOLDEN=1 and review the diff.
@@ -12,7 +14,10 @@
 #include "golden.h"
 #include "graph_builder.h"
 #include "llama_graph.h"
+#include "plan/plan_builder.h"
+#include "plan/propagate.h"
 #include "plan/ulysses.h"
+#include "plan_error.h"
 
 namespace autosp {
 namespace {
@@ -24,7 +29,9 @@ using testutil::S;
 using Ints = std::vector<int64_t>;
 
 std::string placements(const Graph& g, const SpConfig& cfg) {
-  return print_placements(g, plan_ulysses(g, cfg));
+  const std::string alone = print_placements(g, propagate_placements(g, cfg));
+  EXPECT_EQ(alone, print_placements(g, plan_ulysses(g, cfg)));
+  return alone;
 }
 
 TEST(Placements, LlamaMhaP2) {
@@ -130,10 +137,46 @@ TEST(Placements, ExpansionsP2) {
   const int ms = b.at(12, "loss = half + m.sum()").op("sum", {m}, {});
   const int loss = b.at(12).op("add", {half, ms}, {});
   b.at(13).output({loss});
-  const SpPlan plan = plan_ulysses(b.graph, {.sp_size = 2, .gather_unsupported = true});
+  const SpConfig cfg{.sp_size = 2, .gather_unsupported = true};
+  const SpPlan plan = plan_ulysses(b.graph, cfg);
   EXPECT_EQ(plan.gathered.size(), 1u);
   EXPECT_TRUE(contains(plan.gathered.at(0), "my_scan"));
-  EXPECT_GOLDEN("placements_expansions_p2", print_placements(b.graph, plan));
+  EXPECT_EQ(propagate_placements(b.graph, cfg).gathered, plan.gathered);
+  EXPECT_GOLDEN("placements_expansions_p2", placements(b.graph, cfg));
+}
+
+// The stage alone refuses what the plan refuses, with the same error: an op without a rule on
+// a sharded value (the gather fallback off).
+TEST(Placements, StageAloneRefusesAnOpWithoutARule) {
+  GraphBuilder b;
+  const int x = b.input("inputs_embeds", {C(2), S(), C(8)}, "f32", "data");
+  const int f = b.at(7, "f = my_scan(x)").op("my_scan", {x}, {C(2), S(), C(8)});
+  b.at(8).output({f});
+  const SpConfig cfg{.sp_size = 2};
+  const std::string alone = plan_error([&] { propagate_placements(b.graph, cfg); });
+  EXPECT_TRUE(contains(alone, "no rule for 'my_scan'")) << alone;
+  EXPECT_EQ(alone, plan_error([&] { plan_ulysses(b.graph, cfg); }));
+}
+
+// Emission carries the decisions out and checks them: a plan value whose placement differs
+// from the decided one is an internal error, not a silently different plan.
+TEST(Placements, EmissionChecksEveryValueAgainstTheDecision) {
+  const Graph g = testutil::llama({});
+  const SpConfig cfg{.sp_size = 2};
+  Propagation prop = propagate_placements(g, cfg);
+  int sharded = -1;  // the first value decided S(1): pretend it was decided S(2)
+  for (size_t v = 0; v < prop.values.size() && sharded < 0; ++v)
+    if (prop.values[v] == Placement::shard(1)) sharded = static_cast<int>(v);
+  ASSERT_GE(sharded, 0);
+  EXPECT_NO_THROW(plan_detail::PlanBuilder(g, cfg, prop).run());
+  prop.values[static_cast<size_t>(sharded)] = Placement::shard(2);
+  try {
+    plan_detail::PlanBuilder(g, cfg, prop).run();
+    FAIL() << "no error for a value placed unlike its decision";
+  } catch (const std::logic_error& e) {
+    EXPECT_TRUE(contains(e.what(), "internal error")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "propagation decided S(2)")) << e.what();
+  }
 }
 
 }  // namespace
