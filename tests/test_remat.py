@@ -168,7 +168,8 @@ class SavedBytesMeter:
 # Policies vs no checkpointing
 
 
-POLICIES = ["none", "default", "sequence-aware", remat.MemoryBudget(fraction=0.5)]
+POLICIES = ["none", "default", "sequence-aware", remat.MemoryBudget(fraction=0.5),
+            remat.Offload("sequence-aware")]
 
 
 @pytest.fixture(scope="module")
@@ -193,13 +194,21 @@ def test_policy_matches_no_checkpointing(policy, eager_reference) -> None:
     assert len(report.graphs) == 1
     graph = report.graphs[0]
     recomputed_ops = {n.target for n in graph.recomputed()}
-    if policy == "sequence-aware" or isinstance(policy, remat.MemoryBudget):
+    if policy == "sequence-aware" or isinstance(policy, (remat.MemoryBudget, remat.Offload)):
         # The point of the policy at this length: projections are recomputed.
         assert "aten.mm.default" in recomputed_ops, recomputed_ops
     else:
         assert "aten.mm.default" not in recomputed_ops
     if isinstance(policy, remat.MemoryBudget):
         assert graph.saved_bytes <= 0.5 * graph.none_saved_bytes
+    # Offload: the hidden state each decoder layer hands to the next goes to host memory, one
+    # copy per layer ([1, S, hidden] fp32 each); other policies offload nothing.
+    per_layer = SEQ * CFG.hidden_size * 4
+    if isinstance(policy, remat.Offload):
+        assert graph.offload_copies == CFG.num_layers, str(graph)
+        assert graph.offloaded_bytes == CFG.num_layers * per_layer, str(graph)
+    else:
+        assert graph.offload_copies == 0 and graph.offloaded_bytes == 0
 
 
 def _saved_bytes(partition_fn) -> int:
@@ -422,8 +431,17 @@ def test_random_ops_are_never_recomputed() -> None:
 
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(AutospError, match=r"\[remat\] unknown policy 'fast'; expected one of "
-                       r"'none', 'default', 'sequence-aware' or a MemoryBudget"):
+                       r"'none', 'default', 'sequence-aware', a MemoryBudget or an Offload"):
         remat.make_partition_fn("fast")
+    with pytest.raises(AutospError, match=r"\[remat\] unknown policy 'fast'"):
+        remat.make_partition_fn(remat.Offload("fast"))
+    with pytest.raises(AutospError, match=r"Offload\(policy=...\) takes a policy name or a "
+                       r"MemoryBudget, got 3"):
+        remat.Offload(3)
+    with pytest.raises(AutospError, match=r"takes a policy name or a MemoryBudget"):
+        remat.Offload(remat.Offload())
+    # Offloading is part of the partitioner's cache identity.
+    assert remat._cache_key(remat.Offload(), 0.1) != remat._cache_key("sequence-aware", 0.1)
     with pytest.raises(AutospError, match=r"\[remat\] unknown backend 'tvm'"):
         remat.backend("none", backend="tvm")
     with pytest.raises(AutospError, match=r"recompute_flops_ratio must be a finite number >= 0, got -1"):

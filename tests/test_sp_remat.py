@@ -1,6 +1,7 @@
 """Remat policies under sequence parallelism (2 Gloo ranks): every policy gives the
-single-device loss and gradients, saved bytes order sequence-aware < default, and no
-collective is ever recomputed in the backward."""
+single-device loss and gradients (so do activation offload, alone and with the tiled loss),
+saved bytes order sequence-aware < default, and no collective is ever recomputed in the
+backward."""
 
 from __future__ import annotations
 
@@ -9,26 +10,32 @@ from typing import Any
 from distributed import assert_grads_close, build_model, grads_of, make_batch, reference_loss_and_grads, run_ranks, tiny_config
 
 POLICIES = ("none", "default", "sequence-aware")
+OFFLOAD = "sequence-aware + offload"
+OFFLOAD_TILED = "sequence-aware + offload + tiled loss"
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     import autosp
-    from autosp.remat import RematReport
+    from autosp.remat import Offload, RematReport
 
     # Wide enough MLPs and a long enough S that the solvers' choices differ.
     cfg = tiny_config(num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=256)
     ids, labels = make_batch(cfg.vocab_size, 2, 64)
     mesh = autosp.init_mesh(world)
     out: dict[str, Any] = {}
-    for policy in POLICIES:
+    runs = [(p, p, False) for p in POLICIES]
+    runs += [(OFFLOAD, Offload("sequence-aware"), False), (OFFLOAD_TILED, Offload(), True)]
+    for name, policy, tile in runs:
         model = build_model(cfg)
         ref_loss, ref_grads = reference_loss_and_grads(model, ids, labels)
         report = RematReport()
-        cm = autosp.compile(model, mesh=mesh, backend="aot_eager", remat=policy, remat_report=report)
+        cm = autosp.compile(model, mesh=mesh, backend="aot_eager", remat=policy, remat_report=report,
+                            tile_loss=tile)
         loss = cm(ids, labels)
         loss.backward()
         collectives = [n for g in report.graphs for n in g.nodes if "c10d" in n.target]
-        out[policy] = {
+        out[name] = {
+            "offload_copies": sum(g.offload_copies for g in report.graphs),
             "loss": loss.item(), "ref_loss": ref_loss, "grads": grads_of(model), "ref_grads": ref_grads,
             "saved": report.saved_bytes,
             "collective_fates": sorted({n.fate for n in collectives}),
@@ -39,7 +46,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_policies_exact_and_never_recompute_collectives() -> None:
     for r in run_ranks(2, _worker):
-        for policy in POLICIES:
+        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED):
             p = r[policy]
             assert abs(p["loss"] - p["ref_loss"]) <= 1e-5 * abs(p["ref_loss"]), (policy, p["loss"], p["ref_loss"])
             assert_grads_close(p["grads"], p["ref_grads"], rtol=1e-4, context=policy)
@@ -47,3 +54,7 @@ def test_policies_exact_and_never_recompute_collectives() -> None:
             assert "recomputed" not in p["collective_fates"], (policy, p["collective_fates"])
         assert r["sequence-aware"]["saved"] < r["default"]["saved"] <= r["none"]["saved"], {
             k: r[k]["saved"] for k in POLICIES}
+        # Offload saves what sequence-aware saves, one layer output per layer kept in host memory.
+        assert r[OFFLOAD]["saved"] == r["sequence-aware"]["saved"]
+        assert r[OFFLOAD]["offload_copies"] == 2 and r["sequence-aware"]["offload_copies"] == 0
+        assert r[OFFLOAD_TILED]["offload_copies"] == 2

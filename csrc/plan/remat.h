@@ -117,6 +117,10 @@ struct RematOptions {
   std::optional<double> budget_fraction;
   // PyTorch's torch._functorch.config.max_dist_from_bw, used by kDefault.
   int max_dist_from_bw = 1000;
+  // Activation offload: the saved values a numbered layer hands to the next (the hidden state
+  // between decoder layers, from which each layer's backward recomputes) are kept in host
+  // memory between the forward and the backward (RematSolution::offloaded).
+  bool offload_layer_outputs = false;
 
   bool operator==(const RematOptions&) const = default;
 };
@@ -156,6 +160,11 @@ struct RematSolution {
   int32_t flow_edges = 0;
   int32_t solves = 0;                     // max-flow solves (several when searching a budget)
   std::vector<RematLayerSummary> layers;  // in order of first appearance
+  // With RematOptions::offload_layer_outputs: the saved tensors (node indices, ascending) a
+  // numbered layer hands to another, which the forward copies to host memory and the backward
+  // copies back; and their bytes.
+  std::vector<int32_t> offloaded;
+  int64_t offloaded_bytes = 0;
 
   bool operator==(const RematSolution&) const = default;
 };

@@ -186,10 +186,6 @@ std::vector<int32_t> matmul_candidates(const RematGraph& graph) {
   return candidates;
 }
 
-namespace {
-
-// A forward value computed inside a numbered layer and read by a forward op of another layer
-// (or outside layers): the hidden state one decoder layer hands to the next.
 bool leaves_layer(const RematGraph& graph, int32_t i) {
   const RematNode& node = graph.nodes[i];
   if (!is_numbered_layer(node.layer)) return false;
@@ -201,8 +197,6 @@ bool leaves_layer(const RematGraph& graph, int32_t i) {
   }
   return false;
 }
-
-}  // namespace
 
 void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, Bans& bans) {
   const auto& nodes = p.graph->nodes;

@@ -50,6 +50,10 @@ class Bans {
   std::vector<std::string> reason_;
 };
 
+// A forward value computed inside a numbered layer and read by a forward op of another layer
+// (or outside layers): the hidden state one decoder layer hands to the next (remat_bans.cpp).
+bool leaves_layer(const RematGraph& graph, int32_t i);
+
 // Each policy's bans (remat_bans.cpp).
 // PyTorch's default partitioner bans (its allowlist, heavy ops, ops far from the backward...).
 void default_bans(const Prepared& p, const RematOptions& options, Bans& bans);

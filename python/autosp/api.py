@@ -414,7 +414,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
     if isinstance(remat, str) and remat not in REMAT_POLICIES:
         raise AutospError(f"[autosp:compile] found remat={remat!r}; expected one of {REMAT_POLICIES} "
-                          "or an autosp.remat.MemoryBudget.")
+                          "or an autosp.remat.MemoryBudget or autosp.remat.Offload.")
     _check_outputs(outputs)
     _check_unsupported(unsupported)
     _check_tile_loss(tile_loss)

@@ -28,6 +28,10 @@ Policies (``policy=``):
     Sequence-aware bans, but instead of the FLOP ratio: the fewest matmul recomputations (in
     cost-model order) whose saved bytes fit the budget, or an :class:`AutospError` if even
     recomputing every allowed matmul does not fit.
+``Offload(policy)``
+    ``policy`` (a name or a MemoryBudget), with the hidden states that decoder layers hand to
+    each other kept in host memory between the forward and the backward (see
+    :class:`autosp.remat_policy.Offload`).
 
 Use it with plain ``torch.compile`` (no sequence parallelism)::
 
@@ -57,13 +61,14 @@ from autosp.errors import AutospError
 from autosp.remat_facts import SizeFn, gather_facts, node_flops
 from autosp.remat_partition import make_partition_fn
 from autosp.remat_policy import (BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, GraphRematReport,
-                                 MemoryBudget, RematPolicy, RematReport, _core_options)
+                                 MemoryBudget, Offload, RematPolicy, RematReport, _core_options)
 
 __all__ = [
     "DEFAULT_RECOMPUTE_FLOPS_RATIO",
     "POLICIES",
     "GraphRematReport",
     "MemoryBudget",
+    "Offload",
     "RematPolicy",
     "RematReport",
     "SizeFn",
@@ -82,7 +87,7 @@ __all__ = [
 def _cache_key(policy: RematPolicy, recompute_flops_ratio: float) -> str:
     h = hashlib.sha256(source_hash().encode())
     # A budget by its exact value (its display name rounds the fraction).
-    h.update(repr((policy if isinstance(policy, MemoryBudget) else str(policy),
+    h.update(repr((policy if isinstance(policy, (MemoryBudget, Offload)) else str(policy),
                    float(recompute_flops_ratio))).encode())
     return h.hexdigest()
 

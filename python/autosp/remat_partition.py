@@ -119,6 +119,10 @@ def _partition(
             joint_module, fw_module, bw_module, len(saved_sym_nodes)
         )
     bw_module = partitioners.reordering_to_mimic_autograd_engine(bw_module)
+    offload_copies = 0
+    if solution.offloaded:
+        offload_copies = _offload(fw_module, bw_module, [nodes[i].name for i in solution.offloaded],
+                                  num_fwd_outputs, node_info.static_lifetime_input_nodes)
     fw_module = raise_getitems(fw_module)
     bw_module = raise_getitems(bw_module)
     if hasattr(partitioners, "thread_graphsafe_rng_from_hops"):
@@ -126,12 +130,49 @@ def _partition(
         bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
 
     if report is not None:
-        report.graphs.append(_graph_report(policy, solution, facts, solve_seconds))
+        report.graphs.append(_graph_report(policy, solution, facts, solve_seconds, offload_copies))
     return fw_module, bw_module
 
 
+def _offload(fw_module: fx.GraphModule, bw_module: fx.GraphModule, names: list[str],
+             num_fwd_outputs: int, static_lifetime_input_nodes: Any) -> int:
+    """Has PyTorch's activation-offloading pass copy the saved values ``names`` (chosen by the
+    solver) to host memory after the forward computes them and back where the backward first
+    reads them: on CUDA on a side stream, the backward prefetching ahead of use; elsewhere as
+    plain copies. Returns the number of copies to host in the forward graph."""
+    import torch
+    from torch._functorch import config as functorch_config
+
+    try:
+        from torch._functorch._activation_offloading.activation_offloading import (
+            CPU_OFFLOAD_PREFIX, enable_activation_offloading)
+    except ImportError:
+        raise AutospError(
+            f"[remat] remat=Offload(...) needs PyTorch's activation-offloading pass "
+            f"(torch._functorch._activation_offloading), which torch {torch.__version__} does "
+            "not have; use a remat policy without Offload") from None
+    chosen = set(names)
+    on_cuda = False
+    for node in fw_module.graph.nodes:
+        if node.name in chosen:
+            node.meta["should_offload"] = True
+            val = node.meta.get("val")
+            on_cuda = on_cuda or (isinstance(val, torch.Tensor) and val.is_cuda)
+    # Side stream, waits sunk to the end of the forward, reloads prefetched: CUDA only.
+    flags = {k: on_cuda for k in ("activation_offload_separate_stream",
+                                  "activation_offload_sink_wait", "activation_reload_prefetch")
+             if hasattr(functorch_config, k)}
+    with functorch_config.patch(flags):
+        _call_supported(enable_activation_offloading, fw_module, bw_module, num_fwd_outputs,
+                        static_lifetime_input_nodes)
+    fw_module.recompile()
+    bw_module.recompile()
+    return sum(1 for n in fw_module.graph.nodes if n.name.startswith(CPU_OFFLOAD_PREFIX))
+
+
 def _graph_report(
-    policy: RematPolicy, solution: Any, facts: list[Any], solve_seconds: float
+    policy: RematPolicy, solution: Any, facts: list[Any], solve_seconds: float,
+    offload_copies: int = 0,
 ) -> GraphRematReport:
     F = _core.RematFate
     fate_names = {
@@ -177,6 +218,8 @@ def _graph_report(
         layers=layers,
         nodes=node_rows,
         model_flops=float(sum(f.flops for f in facts)),
+        offloaded_bytes=solution.offloaded_bytes,
+        offload_copies=offload_copies,
     )
 
 

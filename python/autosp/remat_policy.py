@@ -48,7 +48,28 @@ class MemoryBudget:
             )
 
 
-RematPolicy = Union[str, MemoryBudget]
+@dataclass(frozen=True)
+class Offload:
+    """A remat policy (``policy``: a name or a MemoryBudget) plus activation offload: the saved
+    hidden states a decoder layer hands to the next (the values each layer's backward
+    recomputes from, which sequence-aware remat always keeps) are copied to host memory in the
+    forward and back in the backward, by PyTorch's activation-offloading pass
+    (``torch._functorch._activation_offloading``). On CUDA the copies run on a side stream and
+    the backward prefetches them ahead of use; on CPU they are plain copies (aliases: nothing
+    moves), so exactness and the graph are testable there. Which values: the C++ solver
+    (RematOptions.offload_layer_outputs)."""
+
+    policy: Union[str, MemoryBudget] = "sequence-aware"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, Offload) or not isinstance(self.policy, (str, MemoryBudget)):
+            raise AutospError(
+                f"[remat] Offload(policy=...) takes a policy name or a MemoryBudget, got "
+                f"{self.policy!r}"
+            )
+
+
+RematPolicy = Union[str, MemoryBudget, Offload]
 
 
 @dataclass(frozen=True)
@@ -96,6 +117,11 @@ class GraphRematReport:
     # FLOPs of the joint graph's forward and backward nodes on this rank, at the traced
     # sizes, recomputation not included: the model FLOPs of one micro-batch (for MFU).
     model_flops: float = 0.0
+    # With Offload: the saved bytes the solver chose to keep in host memory, and the copies to
+    # host PyTorch's pass inserted in the forward graph (it skips views and non-contiguous
+    # values).
+    offloaded_bytes: int = 0
+    offload_copies: int = 0
 
     def saved(self) -> list[NodeRemat]:
         return [n for n in self.nodes if n.fate == "saved"]
@@ -111,7 +137,9 @@ class GraphRematReport:
             f"{self.recompute_flops / 1e9:.3f} GFLOP (step attention "
             f"{self.attention_flops / 1e9:.3f} GFLOP); solved in "
             f"{self.solve_seconds * 1e3:.1f} ms on {self.flow_vertices} vertices / "
-            f"{self.flow_edges} edges",
+            f"{self.flow_edges} edges"
+            + (f"; offloads {self.offloaded_bytes / mib:.2f} MiB to host in "
+               f"{self.offload_copies} copies" if self.offloaded_bytes else ""),
             f"{'layer':<24} {'saved':>6} {'saved MiB':>10} {'recomp':>7} "
             f"{'recomp MiB':>11} {'recomp GFLOP':>13}",
         ]
@@ -145,6 +173,10 @@ class RematReport:
 
 
 def _core_options(policy: RematPolicy, recompute_flops_ratio: float) -> Any:
+    if isinstance(policy, Offload):
+        options = _core_options(policy.policy, recompute_flops_ratio)
+        options.offload_layer_outputs = True
+        return options
     options = _core.RematOptions()
     if isinstance(policy, MemoryBudget):
         options.policy = _core.RematPolicy.SEQUENCE_AWARE
@@ -161,7 +193,7 @@ def _core_options(policy: RematPolicy, recompute_flops_ratio: float) -> Any:
     else:
         raise AutospError(
             f"[remat] unknown policy {policy!r}; expected one of "
-            f"{', '.join(repr(p) for p in POLICIES)} or a MemoryBudget"
+            f"{', '.join(repr(p) for p in POLICIES)}, a MemoryBudget or an Offload"
         )
     if not isinstance(recompute_flops_ratio, (int, float)) or not (
         0.0 <= float(recompute_flops_ratio) < float("inf")
@@ -178,6 +210,8 @@ def _core_options(policy: RematPolicy, recompute_flops_ratio: float) -> Any:
 
 
 def _policy_name(policy: RematPolicy) -> str:
+    if isinstance(policy, Offload):
+        return f"{_policy_name(policy.policy)} + offload"
     if isinstance(policy, MemoryBudget):
         if policy.bytes is not None:
             return f"sequence-aware, budget {policy.bytes} bytes"

@@ -94,7 +94,8 @@ void init_remat(nb::module_& m) {
       .def_rw("recompute_flops_ratio", &RematOptions::recompute_flops_ratio)
       .def_rw("budget_bytes", &RematOptions::budget_bytes)
       .def_rw("budget_fraction", &RematOptions::budget_fraction)
-      .def_rw("max_dist_from_bw", &RematOptions::max_dist_from_bw);
+      .def_rw("max_dist_from_bw", &RematOptions::max_dist_from_bw)
+      .def_rw("offload_layer_outputs", &RematOptions::offload_layer_outputs);
 
   nb::class_<RematLayerSummary>(m, "RematLayerSummary")
       .def_ro("layer", &RematLayerSummary::layer)
@@ -110,6 +111,8 @@ void init_remat(nb::module_& m) {
       .def_ro("fate", &RematSolution::fate)
       .def_ro("ban_reason", &RematSolution::ban_reason)
       .def_ro("saved_bytes", &RematSolution::saved_bytes)
+      .def_ro("offloaded", &RematSolution::offloaded)
+      .def_ro("offloaded_bytes", &RematSolution::offloaded_bytes)
       .def_ro("none_saved_bytes", &RematSolution::none_saved_bytes)
       .def_ro("budget_bytes", &RematSolution::budget_bytes)
       .def_ro("recompute_flops", &RematSolution::recompute_flops)

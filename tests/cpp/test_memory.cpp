@@ -313,6 +313,17 @@ TEST(MemorySequenceAware, KeepsTheHiddenStateBetweenLayers) {
   EXPECT_EQ(sol.fate[h0], RematFate::kSaved);
   EXPECT_EQ(sol.fate[y], RematFate::kSaved);
   EXPECT_NE(sol.fate[h1], RematFate::kRecomputed);
+  EXPECT_TRUE(sol.offloaded.empty());  // offload is off by default
+  // With activation offload, exactly those layer outputs go to host memory (x, an input, and
+  // h1, read inside its layer, stay).
+  o.offload_layer_outputs = true;
+  for (size_t i = 0; i < facts.nodes.size(); ++i)  // sizes at S = 100
+    facts.nodes[i].bytes = g.graph.nodes[i].save_bytes.at(100);
+  const RematSolution off = solve_remat(facts, o);
+  EXPECT_EQ(off.saved, sol.saved);
+  EXPECT_EQ(off.offloaded, (std::vector<int32_t>{h0, y}));
+  EXPECT_EQ(off.offloaded_bytes, facts.nodes[h0].bytes + facts.nodes[y].bytes);
+  EXPECT_GT(off.offloaded_bytes, 0);
   // The memory model decides the same (it calls the solver).
   const auto fates = decide_fates(g.graph, 100, fp32_options(RematStrategy::kSequenceAware, 0));
   EXPECT_EQ(fates[h0], RematFate::kSaved);
