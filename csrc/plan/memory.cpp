@@ -188,8 +188,12 @@ std::vector<RematFate> full_checkpoint_fates(const MemoryGraph& graph) {
 
 std::vector<RematFate> decide_fates(const MemoryGraph& graph, int64_t seq,
                                     const MemoryOptions& options) {
+  return decide_remat(graph, seq, options).fate;
+}
+
+RematDecision decide_remat(const MemoryGraph& graph, int64_t seq, const MemoryOptions& options) {
   validate_memory_graph(graph);
-  if (options.strategy == RematStrategy::kFullCheckpoint) return full_checkpoint_fates(graph);
+  if (options.strategy == RematStrategy::kFullCheckpoint) return {full_checkpoint_fates(graph), {}};
   RematGraph remat;
   remat.nodes.reserve(graph.nodes.size());
   for (const MemoryNode& node : graph.nodes) {
@@ -204,7 +208,9 @@ std::vector<RematFate> decide_fates(const MemoryGraph& graph, int64_t seq,
                                                             : RematPolicy::kSequenceAware;
   ro.recompute_flops_ratio = options.recompute_flops_ratio;
   ro.max_dist_from_bw = options.max_dist_from_bw;
-  return solve_remat(remat, ro).fate;
+  ro.offload_layer_outputs = options.offload_layer_outputs;
+  RematSolution solution = solve_remat(remat, ro);
+  return {std::move(solution.fate), std::move(solution.offloaded)};
 }
 
 Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions& options,

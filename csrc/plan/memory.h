@@ -149,6 +149,11 @@ struct MemoryOptions {
   RematStrategy strategy = RematStrategy::kSequenceAware;
   double recompute_flops_ratio = 0.1;  // RematOptions::recompute_flops_ratio
   int max_dist_from_bw = 1000;         // RematOptions::max_dist_from_bw
+  // Activation offload (RematOptions::offload_layer_outputs; solver strategies only): the saved
+  // values that layers hand to each other leave the device after their last forward use and
+  // come back for the backward, each reloaded when the previous reload is first read (one
+  // layer ahead).
+  bool offload_layer_outputs = false;
   TrainingConfig training;
 
   bool operator==(const MemoryOptions&) const = default;
@@ -178,6 +183,9 @@ struct MemoryBreakdown {
   // where compute bounds the step.
   double step_flops = 0;
   double recompute_flops = 0;
+  // With offload: the saved bytes kept in host memory between forward and backward (each step
+  // copies them to the host and back once).
+  int64_t offloaded_bytes = 0;
 
   bool operator==(const MemoryBreakdown&) const = default;
 };
@@ -196,6 +204,14 @@ int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
 // is a RematNode::layer ending in a numbered component, "layers.3") or live outside layers.
 std::vector<RematFate> decide_fates(const MemoryGraph& graph, int64_t seq,
                                     const MemoryOptions& options);
+
+// decide_fates with, under MemoryOptions::offload_layer_outputs, the saved nodes the solver
+// offloads (RematSolution::offloaded).
+struct RematDecision {
+  std::vector<RematFate> fate;
+  std::vector<int32_t> offloaded;
+};
+RematDecision decide_remat(const MemoryGraph& graph, int64_t seq, const MemoryOptions& options);
 
 // The peak memory of one training step per rank at sequence length `seq`, with what was live
 // at the peak. Throws std::invalid_argument ("[memory] ...") for a malformed graph or a `seq`

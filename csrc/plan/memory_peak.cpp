@@ -37,7 +37,8 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
     throw std::invalid_argument("[memory] sequence length " + std::to_string(seq) +
                                 "; expected a positive length");
   }
-  const std::vector<RematFate> fate = decide_fates(graph, seq, options);
+  const RematDecision decision = decide_remat(graph, seq, options);
+  const std::vector<RematFate>& fate = decision.fate;
   const auto& nodes = graph.nodes;
   const int32_t n = static_cast<int32_t>(nodes.size());
   const auto inputs = node_inputs(graph);
@@ -96,6 +97,16 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
       category[r] = kSavedCat;
     }
   }
+  // Offloaded storages leave the device after their last forward use (the host copy is made
+  // when they are computed) and are reloaded for the backward.
+  std::vector<uint8_t> offloaded(n, 0);
+  for (int32_t i : decision.offloaded) {
+    const int32_t r = root(i);
+    if (!is_saved_storage[r] || nodes[r].forward_output || offloaded[r]) continue;
+    offloaded[r] = 1;
+    held[r] = 0;
+    out.offloaded_bytes += alloc[r];
+  }
   for (int32_t i = 0; i < n; ++i) {
     if (is_saved_storage[i] && nodes[i].role == MemoryRole::kCompute) {
       out.saved_bytes += alloc[i];
@@ -137,9 +148,11 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
     instance_bytes[s] = 0;
   };
   // Runs one program (forward or backward): `order` lists node indices, `storage(i)` maps a
-  // node to the instance holding its output, `owns(i)` says whether running i allocates it.
-  auto run = [&](const std::vector<int32_t>& order, auto&& storage, auto&& owns,
-                 const char* phase) {
+  // node to the instance holding its output, `owns(i)` says whether running i allocates it;
+  // with `reload`, offloaded storages are allocated again before their first use, each when
+  // the previous one is first read (prefetched one ahead).
+  auto run = [&](const std::vector<int32_t>& order, auto&& storage, auto&& owns, const char* phase,
+                 bool reload) {
     std::vector<int32_t> first_use(2 * n, -1), last_use(2 * n, -1);
     for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
       const int32_t i = order[p];
@@ -151,13 +164,19 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
     }
     std::vector<std::vector<int32_t>> frees(order.size()), gathers(order.size()),
         reduced(order.size());
+    std::vector<std::pair<int32_t, int32_t>> reloads;  // (first use, storage)
     for (int32_t s = 0; s < 2 * n; ++s) {
       if (last_use[s] >= 0 && !held[s]) frees[last_use[s]].push_back(s);
       if (gathered(s) && first_use[s] >= 0) gathers[first_use[s]].push_back(s);
+      if (reload && s < n && offloaded[s] && first_use[s] >= 0)
+        reloads.push_back({first_use[s], s});
       if (zero3 && held[s] && category[s] == kGradsCat && last_use[s] >= 0) {
         reduced[last_use[s]].push_back(s);
       }
     }
+    std::sort(reloads.begin(), reloads.end());
+    for (size_t k = 0; k < reloads.size(); ++k)
+      gathers[k == 0 ? reloads[k].first : reloads[k - 1].first].push_back(reloads[k].second);
     for (int32_t p = 0; p < static_cast<int32_t>(order.size()); ++p) {
       const int32_t i = order[p];
       for (int32_t s : gathers[p]) {  // the all-gather of a parameter before its first use
@@ -197,7 +216,7 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
   }
   run(
       fw_order, [&](int32_t i) { return root(i); },
-      [&](int32_t i) { return nodes[i].alias_of < 0; }, "forward");
+      [&](int32_t i) { return nodes[i].alias_of < 0; }, "forward", false);
 
   // Backward: each backward op preceded by the recomputations it needs, in graph order
   // (PyTorch's reordering_to_mimic_autograd_engine): the walk starts at the first user of a
@@ -274,7 +293,7 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
   }
   run(
       bw_order, bw_storage,
-      [&](int32_t i) { return nodes[i].alias_of < 0 && bw_storage(i) == n + i; }, "backward");
+      [&](int32_t i) { return nodes[i].alias_of < 0 && bw_storage(i) == n + i; }, "backward", true);
 
   // Optimizer step: parameters, gradients, state and the step's temporaries.
   std::array<int64_t, kNumCategories> extra{};

@@ -8,6 +8,10 @@ from typing import Any
 
 from autosp.models.llama import LlamaConfig
 
+#: Host <-> device bandwidth ``autosp plan`` states offload's transfer time at (bytes per
+#: second): PCIe 4.0 x16, about 25 GB/s each way in practice.
+HOST_BANDWIDTH = 25e9
+
 
 @dataclass(frozen=True)
 class MemoryPrediction:
@@ -29,6 +33,8 @@ class MemoryPrediction:
     # recomputed ops, the tiled loss's logits). recompute_overhead is their ratio.
     step_flops: float = 0.0
     recompute_flops: float = 0.0
+    # With offload: the saved bytes kept in host memory, copied there and back once per step.
+    offloaded_bytes: int = 0
 
     @property
     def recompute_overhead(self) -> float:
@@ -44,7 +50,13 @@ class MemoryPrediction:
             transient=b.transient, communication=b.communication, inputs=b.inputs,
             phase=b.phase, peak_node=b.peak_node, saved_bytes=b.saved_bytes,
             step_flops=b.step_flops, recompute_flops=b.recompute_flops,
+            offloaded_bytes=b.offloaded_bytes,
         )
+
+    def offload_seconds(self, bandwidth: float) -> float:
+        """Seconds per step the offloaded bytes spend on the host link at ``bandwidth`` bytes
+        per second (to the host and back; on CUDA the copies overlap compute)."""
+        return 2 * self.offloaded_bytes / bandwidth
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class StrategyPlan:
     at_seq: MemoryPrediction | None  # at PlanResult.seq_len
     curve: tuple[tuple[int, int], ...]  # (S, predicted peak)
     tile_loss: bool = False  # autosp.compile(tile_loss=True)
+    offload: bool = False  # remat=autosp.remat.Offload(...)
 
 
 @dataclass(frozen=True)
@@ -96,10 +109,11 @@ class PlanResult:
                 if self.fsdp else f"optimizer state sharded over {self.optimizer_sharding}"),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
             "state, saved activations, transient, communication; recomp: FLOPs computed again "
-            "(remat, tiled loss) over the step's",
-            f"{'strategy':<38} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
+            "(remat, tiled loss) over the step's; host: GiB offloaded, moved to the host and back "
+            f"each step ({HOST_BANDWIDTH / 1e9:.0f} GB/s: seconds on the link)",
+            f"{'strategy':<46} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
             f"{'params':>7} {'grads':>7} {'optim':>7} {'saved':>7} {'trans':>7} {'comm':>6} "
-            f"{'recomp':>7}  peak during",
+            f"{'recomp':>7} {'host':>13}  peak during",
         ]
         for s in self.strategies:
             longest = "none" if s.longest_seq == 0 else (
@@ -113,10 +127,12 @@ class PlanResult:
                     f"{b.peak / gib:>7.2f}{oom} {b.parameters / gib:>6.2f} {b.gradients / gib:>7.2f} "
                     f"{b.optimizer_state / gib:>7.2f} {b.saved_activations / gib:>7.2f} "
                     f"{b.transient / gib:>7.2f} {b.communication / gib:>6.2f} "
-                    f"{f'+{100 * b.recompute_overhead:.0f}%':>7}  {b.phase} ({b.peak_node})"
+                    f"{f'+{100 * b.recompute_overhead:.0f}%':>7} "
+                    f"{(f'{b.offloaded_bytes / gib:.2f} ({b.offload_seconds(HOST_BANDWIDTH):.2f}s)' if b.offloaded_bytes else '-'):>13}"
+                    f"  {b.phase} ({b.peak_node})"
                 )
             lines.append(
-                f"{s.name:<38} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
+                f"{s.name:<46} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
             )
         lines.append("* over the budget. Longest S is searched over multiples of "
                      f"{self.seq_multiple}.")

@@ -74,9 +74,10 @@ _STRATEGY_ENUM = {
 
 
 def _core_options(remat: str, dtype: str, num_params: int, shards: int,
-                  param_shards: int = 1) -> Any:
+                  param_shards: int = 1, offload: bool = False) -> Any:
     options = _core.MemoryOptions()
     options.strategy = getattr(_core.RematStrategy, _STRATEGY_ENUM[remat])
+    options.offload_layer_outputs = offload
     from autosp.remat import DEFAULT_RECOMPUTE_FLOPS_RATIO
 
     options.recompute_flops_ratio = DEFAULT_RECOMPUTE_FLOPS_RATIO
@@ -89,27 +90,35 @@ def _core_options(remat: str, dtype: str, num_params: int, shards: int,
     return options
 
 
-#: The strategies planned by default beyond every (mode, remat): these with the tiled loss.
+#: The strategies planned by default beyond every (mode, remat): these with the tiled loss,
+#: and these with activation offload (remat=autosp.remat.Offload(...)), with and without it.
 TILED_DEFAULTS = (("no-sp", "sequence-aware"), ("ulysses", "sequence-aware"), ("ulysses", "full"))
+OFFLOAD_DEFAULTS = (("ulysses", "sequence-aware", False), ("ulysses", "sequence-aware", True))
 TILED = "tiled-loss"
+OFFLOAD = "offload"
 
 
-def _parse_strategies(strategies: Sequence[str] | None) -> list[tuple[str, str, bool]]:
+def _parse_strategies(strategies: Sequence[str] | None) -> list[tuple[str, str, bool, bool]]:
+    """(mode, remat, tiled loss, offload) per strategy."""
     if strategies is None:
-        return ([(mode, r, False) for mode in SP_MODES for r in REMAT_STRATEGIES]
-                + [(mode, r, True) for mode, r in TILED_DEFAULTS])
+        return ([(mode, r, False, False) for mode in SP_MODES for r in REMAT_STRATEGIES]
+                + [(mode, r, True, False) for mode, r in TILED_DEFAULTS]
+                + [(mode, r, tile, True) for mode, r, tile in OFFLOAD_DEFAULTS])
     out = []
     for s in strategies:
         parts = s.replace(" ", "").replace("tiledloss", TILED).split("+")
-        tile = parts[2:] == [TILED]
-        if (len(parts) not in (2, 3) or parts[0] not in SP_MODES or parts[1] not in REMAT_STRATEGIES
-                or (len(parts) == 3 and not tile)):
+        extras = parts[2:]
+        ok = (len(parts) >= 2 and parts[0] in SP_MODES and parts[1] in REMAT_STRATEGIES
+              and extras in ([], [TILED], [OFFLOAD], [TILED, OFFLOAD])
+              and not (OFFLOAD in extras and parts[1] == "full"))
+        if not ok:
             raise AutospError(
                 f"[plan] unknown strategy {s!r}; expected '<{'|'.join(SP_MODES)}>+"
-                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}]', e.g. 'ulysses+sequence-aware' or "
-                f"'ulysses+full+{TILED}'"
+                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}][+{OFFLOAD}]', e.g. "
+                f"'ulysses+sequence-aware' or 'ulysses+sequence-aware+{TILED}+{OFFLOAD}' "
+                f"({OFFLOAD} goes with the solver's policies, not 'full')"
             )
-        out.append((parts[0], parts[1], tile))
+        out.append((parts[0], parts[1], TILED in extras, OFFLOAD in extras))
     return out
 
 
@@ -173,10 +182,10 @@ def plan(
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise AutospError(f"[plan] found seq_len={seq_len!r}; expected a positive integer")
 
-    results: list[tuple[str, str, bool, int, int, Any, Any]] = []
+    results: list[tuple[str, str, bool, bool, int, int, Any, Any]] = []
     traces: dict[tuple[int, bool], TracedStep] = {}
     num_params = 0
-    for mode, remat, tile in chosen:
+    for mode, remat, tile, offload in chosen:
         p = sp if mode == "ulysses" else 1
         dp = gpus // p
         if (p, tile) not in traces:
@@ -186,7 +195,7 @@ def plan(
         num_params = traced.num_params
         shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
         options = _core_options(remat, dtype, traced.num_params, shards,
-                                param_shards=gpus if fsdp else 1)
+                                param_shards=gpus if fsdp else 1, offload=offload)
         query = _core.TrainabilityQuery()
         query.budget_bytes = budget
         query.seq_multiple = multiple
@@ -195,18 +204,19 @@ def plan(
             found = _core.longest_trainable_seq(traced.graph, options, query)
         except ValueError as e:
             _raise_core(e)
-        results.append((mode, remat, tile, p, dp, found, (traced, options)))
+        results.append((mode, remat, tile, offload, p, dp, found, (traced, options)))
 
     if seq_len is None:
         pick = [r for r in results
-                if r[0] == "ulysses" and r[1] == "sequence-aware" and not r[2]] or results
-        seq_len = max(r[5].longest_seq for r in pick) or multiple
-    top = max([r[5].longest_seq for r in results] + [seq_len, multiple])
+                if r[0] == "ulysses" and r[1] == "sequence-aware" and not r[2] and not r[3]] \
+            or results
+        seq_len = max(r[6].longest_seq for r in pick) or multiple
+    top = max([r[6].longest_seq for r in results] + [seq_len, multiple])
     grid = sorted({max(multiple, (top * 5 // 4 * k // curve_points) // multiple * multiple)
                    for k in range(1, curve_points + 1)})
 
     plans = []
-    for mode, remat, tile, p, dp, found, (traced, options) in results:
+    for mode, remat, tile, offload, p, dp, found, (traced, options) in results:
         at_seq = None
         if seq_len % p == 0:
             at_seq = MemoryPrediction.from_core(
@@ -215,8 +225,9 @@ def plan(
             (s, _core.simulate_peak_memory(traced.graph, s, options).peak) for s in grid
         )
         plans.append(StrategyPlan(
-            name=f"{mode} + {remat}" + (" + tiled loss" if tile else ""), sp_mode=mode,
-            remat=remat, tile_loss=tile, sp_size=p, dp_size=dp,
+            name=f"{mode} + {remat}" + (" + tiled loss" if tile else "")
+            + (" + offload" if offload else ""), sp_mode=mode,
+            remat=remat, tile_loss=tile, offload=offload, sp_size=p, dp_size=dp,
             longest_seq=found.longest_seq, capped=found.capped,
             at_longest=MemoryPrediction.from_core(found.at_longest) if found.longest_seq else None,
             at_seq=at_seq, curve=curve,

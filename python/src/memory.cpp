@@ -106,6 +106,7 @@ void init_memory(nb::module_& m) {
       .def_rw("strategy", &MemoryOptions::strategy)
       .def_rw("recompute_flops_ratio", &MemoryOptions::recompute_flops_ratio)
       .def_rw("max_dist_from_bw", &MemoryOptions::max_dist_from_bw)
+      .def_rw("offload_layer_outputs", &MemoryOptions::offload_layer_outputs)
       .def_rw("training", &MemoryOptions::training);
 
   nb::class_<MemoryBreakdown>(m, "MemoryBreakdown")
@@ -124,7 +125,8 @@ void init_memory(nb::module_& m) {
       .def_ro("saved_count", &MemoryBreakdown::saved_count)
       .def_ro("recomputed_count", &MemoryBreakdown::recomputed_count)
       .def_ro("step_flops", &MemoryBreakdown::step_flops)
-      .def_ro("recompute_flops", &MemoryBreakdown::recompute_flops);
+      .def_ro("recompute_flops", &MemoryBreakdown::recompute_flops)
+      .def_ro("offloaded_bytes", &MemoryBreakdown::offloaded_bytes);
 
   nb::class_<TrainabilityQuery>(m, "TrainabilityQuery")
       .def(nb::init<>())

@@ -329,6 +329,57 @@ TEST(MemorySequenceAware, KeepsTheHiddenStateBetweenLayers) {
   EXPECT_EQ(fates[h0], RematFate::kSaved);
 }
 
+// Activation offload: the hidden states layers hand to each other leave the device after their
+// last forward use and come back for the backward, one ahead of use. Four layers: without
+// offload, the backward starts with all four hidden states live; with it, at most the one
+// being read and the one prefetched.
+TEST(MemoryOffload, LayerOutputsLeaveTheDeviceBetweenForwardAndBackward) {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  int prev = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(1, 1)});
+  std::vector<int> h;
+  for (int k = 0; k < 4; ++k) {
+    const std::string layer = "layers." + std::to_string(k);
+    prev = g.add(S{.name = "h" + std::to_string(k),
+                   .bytes = SeqBytes::term(8, 1),
+                   .inputs = {prev},
+                   .layer = layer});
+    h.push_back(prev);
+  }
+  g.add(
+      S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {prev}, .forward_output = true});
+  int grad = g.add(S{.name = "t",
+                     .role = MemoryRole::kTangent,
+                     .bytes = SeqBytes::constant(4),
+                     .fw = false,
+                     .tangent = true});
+  for (int k = 3; k >= 0; --k)
+    grad = g.add(S{.name = "g" + std::to_string(k),
+                   .bytes = SeqBytes::term(8, 1),
+                   .inputs = {grad, h[static_cast<size_t>(k)]},
+                   .fw = false,
+                   .tangent = true,
+                   .layer = "layers." + std::to_string(k)});
+  MemoryOptions plain = fp32_options(RematStrategy::kSequenceAware, 0);
+  MemoryOptions offload = plain;
+  offload.offload_layer_outputs = true;
+  const int64_t seq = 1000;
+  const MemoryBreakdown a = simulate_peak_memory(g.graph, seq, plain);
+  const MemoryBreakdown b = simulate_peak_memory(g.graph, seq, offload);
+  EXPECT_EQ(a.offloaded_bytes, 0);
+  EXPECT_EQ(b.saved_bytes, a.saved_bytes);  // the same saved set, kept elsewhere
+  EXPECT_EQ(b.offloaded_bytes, 4 * 8 * seq);
+  // Plain, at g3 (the backward's first op): x, the four hidden states, g3, t and the loss.
+  EXPECT_EQ(a.peak, 1 * seq + 4 * 8 * seq + 8 * seq + 4 + 4);
+  // Offload, at g2: x, two hidden states (h2 read, h1 prefetched), g3 and g2, the loss.
+  EXPECT_EQ(b.peak, 1 * seq + 2 * 8 * seq + 2 * 8 * seq + 4);
+  EXPECT_EQ(b.peak_node, "g2");
+  // Full checkpointing (no solver) offloads nothing.
+  MemoryOptions full = fp32_options(RematStrategy::kFullCheckpoint, 0);
+  full.offload_layer_outputs = true;
+  EXPECT_EQ(simulate_peak_memory(g.graph, seq, full).offloaded_bytes, 0);
+}
+
 TEST(MemoryTrainability, LongestMultipleUnderBudget) {
   const MemoryGraph g = one_layer();
   const MemoryOptions o = fp32_options(RematStrategy::kNone, 25);
