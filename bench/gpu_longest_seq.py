@@ -14,7 +14,9 @@ batch 1 per SP group, Inductor, ``--device cuda``), each run a fresh process gro
   (CUDA out of memory), then is bisected down to ``--granularity`` tokens between the last
   success and the first failure. Strategies: ``no-sp`` (sp 1: every rank holds the whole
   sequence; data parallel over the ranks; default remat) and ``ulysses`` (sp = nproc) with
-  remat ``none``, ``default`` and ``sequence-aware``;
+  remat ``none``, ``default``, ``sequence-aware`` and ``sequence-aware`` with activation
+  offload (``--offload``: the layers' hidden states in host memory between forward and
+  backward);
 - for every run that trains: the measured peak allocated memory per rank (the largest rank,
   ``torch.cuda.max_memory_allocated``) beside ``autosp plan``'s prediction for that run
   (printed by ``autosp train`` at start), and its ratio;
@@ -39,7 +41,7 @@ from pathlib import Path
 LLAMA_3_2_1B = ["--hidden-size", "2048", "--intermediate-size", "8192", "--layers", "16",
                 "--heads", "32", "--kv-heads", "8", "--vocab-size", "128256"]
 STRATEGIES = [("no-sp", 1, "default"), ("ulysses", 0, "none"), ("ulysses", 0, "default"),
-              ("ulysses", 0, "sequence-aware")]
+              ("ulysses", 0, "sequence-aware"), ("ulysses", 0, "sequence-aware+offload")]
 MFU_AT = (32768, 131072)
 
 
@@ -47,8 +49,10 @@ def run(args: argparse.Namespace, sp: int, remat: str, seq: int, out: Path) -> d
     """One 3-step training run; its measurements, or None when it did not train (OOM)."""
     cmd = [sys.executable, "-m", "autosp.cli", "train", "--nproc", str(args.nproc), "--sp", str(sp),
            *LLAMA_3_2_1B, "--dtype", "bfloat16", "--seq-len", str(seq), "--batch-size", "1",
-           "--steps", "3", "--remat", remat, "--backend", "inductor", "--device", "cuda",
+           "--steps", "3", "--remat", remat.split("+")[0], "--backend", "inductor", "--device", "cuda",
            "--out-dir", str(out), "--timeout-s", "900"]
+    if remat.endswith("+offload"):
+        cmd.append("--offload")
     if args.dry_run:
         print(" ".join(cmd))
         return None

@@ -36,6 +36,8 @@ def test_file_then_flags_dotted_and_flat(tmp_path: Path) -> None:
     assert cfg.parallel.sp == 4                    # from the file
     assert cfg.parallel.fsdp is False and cfg.training.check is True
     assert cfg.model == C.ModelConfig()            # untouched: defaults
+    assert cfg.training.offload is False           # default
+    assert _parse(["--offload"]).training.offload is True
 
 
 def test_saved_config_reloads_equal(tmp_path: Path) -> None:

@@ -76,6 +76,9 @@ class TrainingConfig:
     remat_budget_gib: float = _f(0.0, "cap the activations saved for backward at this many GiB "
                                       "per rank (autosp.remat.MemoryBudget; 0: the remat policy "
                                       "decides)")
+    offload: bool = _f(False, "keep the hidden states decoder layers hand to each other in host "
+                              "memory between forward and backward (autosp.remat.Offload; "
+                              "exact; frees device memory on CUDA, copies nothing on CPU)")
     tile_loss: bool = _f(True, "compute the loss over lm_head a chunk of tokens at a time, so that "
                                "the [tokens, vocab] logits never exist whole (autosp.compile("
                                "tile_loss=True); exact)")

@@ -28,7 +28,7 @@ from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
 from autosp.train.data import Batches, target_count, with_one_target
 from autosp.errors import AutospError
-from autosp.remat import MemoryBudget, RematReport
+from autosp.remat import MemoryBudget, Offload, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
                                   progress_line)
 from autosp.train.predict import predicted_peak
@@ -131,6 +131,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     flops_report = RematReport()  # the compiled graph's FLOPs, for MFU
     remat = MemoryBudget(bytes=int(t.remat_budget_gib * (1 << 30))) if t.remat_budget_gib > 0 \
         else t.remat
+    if t.offload:
+        remat = Offload(remat)
     compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=t.backend,
                               remat_report=flops_report, tile_loss=t.tile_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
@@ -150,7 +152,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
               f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
-              f"{', tiled loss' if t.tile_loss else ''}, "
+              f"{', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}, "
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)

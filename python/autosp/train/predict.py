@@ -27,7 +27,8 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
     import autosp
 
     t = cfg.training
-    strategy = f"ulysses+{t.remat}" + ("+tiled-loss" if t.tile_loss else "")
+    strategy = (f"ulysses+{t.remat}" + ("+tiled-loss" if t.tile_loss else "")
+                + ("+offload" if t.offload else ""))
     start = time.perf_counter()
     try:
         result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,
