@@ -90,6 +90,15 @@ int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {
   return (cfg.num_params * 4 + shards - 1) / shards;
 }
 
+TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t hidden,
+                                        int64_t weight_itemsize, int64_t fixed_rows) {
+  const int64_t k = backward ? 12 : 8;
+  // The backward's fp32 accumulator of the weight's gradient, and one chunk's gradient.
+  const int64_t accumulator = backward ? classes * hidden * (4 + weight_itemsize) : 0;
+  if (fixed_rows > 0) return {k * classes, k * classes * fixed_rows, accumulator};
+  return {k * hidden, 0, k * classes + accumulator};
+}
+
 const char* to_string(RematStrategy strategy) {
   switch (strategy) {
     case RematStrategy::kNone:

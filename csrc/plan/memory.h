@@ -199,6 +199,27 @@ struct MemoryBreakdown {
 int64_t optimizer_state_bytes(const TrainingConfig& cfg);
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
 
+// What a tiled loss op (python/autosp/tiled_loss.py) allocates and frees while it runs, for
+// its node's scratch_bytes: min(per_row * rows, cap) + constant, where rows are the rows of
+// h (no cap when cap is 0). Per element of one chunk's [rows, classes] logits, measured on CPU
+// for lm_head, .float() and the loss (tests/test_tiled_loss.py checks the prediction): the
+// forward holds 8 bytes (the chunk's logits and their log-softmax), the backward 12
+// (recomputed logits, log-softmax and their gradients) plus the weight's gradient twice (the
+// fp32 accumulator and one chunk's, `weight_itemsize` bytes per element). With chunks of
+// ceil(rows * hidden / classes) rows (`fixed_rows` 0) that is k * hidden bytes per row of h
+// plus at most one row of logits for the rounding; with a fixed number of rows per chunk,
+// k * classes per row up to one chunk.
+//   forward, classes 1000, hidden 10, auto rows: {80, 0, 8000}
+//   backward, classes 1000, hidden 10, itemsize 4, 16 rows: {12000, 192000, 80000}
+struct TiledLossWorkspace {
+  int64_t per_row = 0;
+  int64_t cap = 0;
+  int64_t constant = 0;
+  bool operator==(const TiledLossWorkspace&) const = default;
+};
+TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t hidden,
+                                        int64_t weight_itemsize, int64_t fixed_rows);
+
 // The saved set at `seq`: fate per node (RematFate), as the remat solver decides it for the
 // strategy, or, for kFullCheckpoint, saving only values that cross a layer boundary (a layer
 // is a RematNode::layer ending in a numbered component, "layers.3") or live outside layers.

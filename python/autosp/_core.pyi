@@ -973,6 +973,21 @@ def optimizer_state_bytes(config: TrainingConfig) -> int: ...
 
 def optimizer_workspace_bytes(config: TrainingConfig) -> int: ...
 
+class TiledLossWorkspace:
+    @property
+    def per_row(self) -> int: ...
+
+    @property
+    def cap(self) -> int: ...
+
+    @property
+    def constant(self) -> int: ...
+
+def tiled_loss_workspace(backward: bool, classes: int, hidden: int, weight_itemsize: int, fixed_rows: int) -> TiledLossWorkspace:
+    """
+    Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see csrc/plan/memory.h).
+    """
+
 def decide_fates(graph: MemoryGraph, seq: int, options: MemoryOptions) -> list[RematFate]:
     """
     Fate of every node (RematFate) at sequence length `seq` under the options' strategy.

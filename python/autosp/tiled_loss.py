@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp import _core
 from autosp.canon import _arg
 from autosp.errors import AutospError
 from autosp.tiled_ops import Recipes, autograd_inside_op
@@ -75,26 +76,14 @@ def workspace(node: fx.Node) -> tuple[int, int, int] | None:
     """What a tiled loss op of a joint graph allocates and frees while it runs, for ``autosp
     plan``'s memory model, as ``(bytes per row of h, cap, constant)``: the workspace is
     ``min(bytes per row * rows, cap) + constant`` (no cap when 0); None for any other node.
-
-    Per element of a chunk's ``[rows, classes]`` logits, measured on CPU for lm_head,
-    ``.float()`` and the loss (tests/test_tiled_loss.py checks the prediction): the forward
-    holds 8 bytes (the chunk's logits and their log-softmax), the backward 12 (recomputed
-    logits, log-softmax and their gradients) plus the weight's gradient twice (the fp32
-    accumulator and one chunk's). With chunks of ``ceil(rows * hidden / classes)`` rows that is about ``k * hidden``
-    bytes per row of h (plus at most one row of logits for the rounding); with a fixed number
-    of rows per chunk (``AUTOSP_LOSS_TILE_ROWS``), ``k * classes`` per row up to one chunk."""
+    The estimate is the core's (``_core.tiled_loss_workspace``, csrc/plan/memory.h)."""
     forward = node.target is torch.ops.autosp.tiled_head_loss.default
     if not forward and node.target is not torch.ops.autosp.tiled_head_loss_backward.default:
         return None
     weight = node.args[1 if forward else 2].meta["val"]
-    classes, hidden = int(weight.shape[0]), int(weight.shape[1])
-    k = 8 if forward else 12
-    # The backward's fp32 accumulator of the weight's gradient, and one chunk's gradient.
-    accumulator = 0 if forward else classes * hidden * (4 + weight.dtype.itemsize)
-    fixed = env_rows()
-    if fixed is not None:
-        return k * classes, k * classes * fixed, accumulator
-    return k * hidden, 0, k * classes + accumulator
+    w = _core.tiled_loss_workspace(not forward, int(weight.shape[0]), int(weight.shape[1]),
+                                   weight.dtype.itemsize, env_rows() or 0)
+    return w.per_row, w.cap, w.constant
 
 
 def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node) -> int:

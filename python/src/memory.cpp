@@ -158,6 +158,14 @@ void init_memory(nb::module_& m) {
       "structure.");
   m.def("optimizer_state_bytes", &optimizer_state_bytes, "config"_a);
   m.def("optimizer_workspace_bytes", &optimizer_workspace_bytes, "config"_a);
+  nb::class_<TiledLossWorkspace>(m, "TiledLossWorkspace")
+      .def_ro("per_row", &TiledLossWorkspace::per_row)
+      .def_ro("cap", &TiledLossWorkspace::cap)
+      .def_ro("constant", &TiledLossWorkspace::constant);
+  m.def("tiled_loss_workspace", &tiled_loss_workspace, "backward"_a, "classes"_a, "hidden"_a,
+        "weight_itemsize"_a, "fixed_rows"_a,
+        "Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see "
+        "csrc/plan/memory.h).");
   m.def(
       "decide_fates",
       [](const MemoryGraph& g, int64_t seq, const MemoryOptions& o) {

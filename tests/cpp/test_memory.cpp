@@ -380,6 +380,17 @@ TEST(MemoryOffload, LayerOutputsLeaveTheDeviceBetweenForwardAndBackward) {
   EXPECT_EQ(simulate_peak_memory(g.graph, seq, full).offloaded_bytes, 0);
 }
 
+TEST(MemoryTiledLoss, WorkspaceOfTheTiledLossOp) {
+  // Chunks of ceil(rows * hidden / classes) rows: k * hidden per row of h, and one row of logits.
+  EXPECT_EQ(tiled_loss_workspace(false, 1000, 10, 4, 0), (TiledLossWorkspace{80, 0, 8000}));
+  // The backward adds the weight gradient's fp32 accumulator and one chunk's (bf16: 2 bytes).
+  EXPECT_EQ(tiled_loss_workspace(true, 1000, 10, 2, 0),
+            (TiledLossWorkspace{120, 0, 12000 + 1000 * 10 * 6}));
+  // A fixed number of rows per chunk: k * classes per row, capped at one chunk.
+  EXPECT_EQ(tiled_loss_workspace(true, 1000, 10, 4, 16),
+            (TiledLossWorkspace{12000, 192000, 80000}));
+}
+
 TEST(MemoryTrainability, LongestMultipleUnderBudget) {
   const MemoryGraph g = one_layer();
   const MemoryOptions o = fp32_options(RematStrategy::kNone, 25);
