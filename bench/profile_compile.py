@@ -45,7 +45,7 @@ STAGES: list[tuple[str, str | None, str | None]] = [
     ("autosp plan (C++)", None, None),  # _core.plan_ulysses, timed around the call
     ("autosp apply", "autosp/apply.py", "apply_plan"),
     ("aot joint trace", "torch/_functorch/aot_autograd.py", "create_aot_state"),
-    ("autosp partition", "autosp/remat.py", "_partition"),
+    ("autosp partition", "autosp/remat_partition.py", "_partition"),
     ("torch partition", "torch/_functorch/partitioners.py", "min_cut_rematerialization_partition"),
     ("inductor compile", "torch/_inductor/compile_fx.py", "compile_fx_inner"),
 ]
@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
+    ap.add_argument("--static", action="store_true",
+                    help="also time torch.compile with S static (cold): what specialising the "
+                         "compiled graph on each S could save against the dynamic trace")
     args = ap.parse_args()
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -119,12 +122,20 @@ def main() -> None:
         compiled = torch.compile(model, backend=args.backend, fullgraph=True)
         compiled(x, x).backward()
 
+    def torch_static_step() -> None:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        compiled = torch.compile(model, backend=args.backend, fullgraph=True, dynamic=False)
+        compiled(ids, ids).backward()
+
     from torch._inductor import metrics
 
     results = {}
     runs = [(f"{name}, {phase}", step, phase == "cold")
             for name, step in (("torch.compile", torch_step), ("autosp", autosp_step))
             for phase in ("cold", "warm")]
+    if args.static:
+        runs.append(("torch.compile static S, cold", torch_static_step, True))
     for name, step, cold in runs:
         if cold:  # a fresh on-disk cache (Inductor's FX graph and AOTAutograd caches)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autosp-profile-")
@@ -152,6 +163,10 @@ def main() -> None:
     for phase in ("cold", "warm"):
         ratio = results[f"autosp, {phase}"][0] / results[f"torch.compile, {phase}"][0]
         print(f"autosp / torch.compile, {phase}: {ratio:.2f}x")
+    if args.static:
+        static = results["torch.compile static S, cold"][0]
+        print(f"torch.compile static S / dynamic S, cold: "
+              f"{static / results['torch.compile, cold'][0]:.2f}x")
     print("Stages nest (the dynamo capture holds the backend's work); the total is wall time.")
 
 
