@@ -283,8 +283,9 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
   if (options.offload_layer_outputs) {
     for (int32_t i : solution.saved) {
       const RematNode& node = graph.nodes[i];
-      if (node.save_cost != RematSaveCost::kTensor || node.static_lifetime || node.primal_input ||
-          !remat_detail::leaves_layer(graph, i))
+      // A view shares its base's storage: PyTorch's offloading pass skips views.
+      if (node.save_cost != RematSaveCost::kTensor || node.kind == RematOpKind::kView ||
+          node.static_lifetime || node.primal_input || !remat_detail::leaves_layer(graph, i))
         continue;
       solution.offloaded.push_back(i);
       solution.offloaded_bytes += node.bytes;

@@ -161,8 +161,8 @@ struct RematSolution {
   int32_t solves = 0;                     // max-flow solves (several when searching a budget)
   std::vector<RematLayerSummary> layers;  // in order of first appearance
   // With RematOptions::offload_layer_outputs: the saved tensors (node indices, ascending) a
-  // numbered layer hands to another, which the forward copies to host memory and the backward
-  // copies back; and their bytes.
+  // numbered layer hands to another, views excluded, which the forward copies to host memory
+  // and the backward copies back; and their bytes.
   std::vector<int32_t> offloaded;
   int64_t offloaded_bytes = 0;
 

@@ -119,10 +119,23 @@ def _partition(
             joint_module, fw_module, bw_module, len(saved_sym_nodes)
         )
     bw_module = partitioners.reordering_to_mimic_autograd_engine(bw_module)
-    offload_copies = 0
+    offload_copies, offloaded_bytes = 0, 0
     if solution.offloaded:
-        offload_copies = _offload(fw_module, bw_module, [nodes[i].name for i in solution.offloaded],
-                                  num_fwd_outputs, node_info.static_lifetime_input_nodes)
+        chosen = {nodes[i].name: facts[i].bytes for i in solution.offloaded}
+        moved = _offload(fw_module, bw_module, list(chosen), num_fwd_outputs,
+                         node_info.static_lifetime_input_nodes)
+        offload_copies, offloaded_bytes = len(moved), sum(chosen[name] for name in moved)
+    if options.offload_layer_outputs and offload_copies == 0:
+        import warnings
+
+        why = ("the values it chose are model outputs or not contiguous, which PyTorch's "
+               "offloading pass skips" if solution.offloaded else
+               "no saved value that leaves a numbered decoder layer can be offloaded: none is "
+               "saved (Inductor's decomposition of LayerNorm, for one, saves the normalised "
+               "value inside the next layer instead), or they are views")
+        warnings.warn(f"[remat] Offload: nothing offloaded in this graph of {len(nodes)} nodes: "
+                      f"{why}; it trains as {_policy_name(policy).removesuffix(' + offload')}",
+                      stacklevel=2)
     fw_module = raise_getitems(fw_module)
     bw_module = raise_getitems(bw_module)
     if hasattr(partitioners, "thread_graphsafe_rng_from_hops"):
@@ -130,16 +143,18 @@ def _partition(
         bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
 
     if report is not None:
-        report.graphs.append(_graph_report(policy, solution, facts, solve_seconds, offload_copies))
+        report.graphs.append(_graph_report(policy, solution, facts, solve_seconds, offload_copies,
+                                           offloaded_bytes))
     return fw_module, bw_module
 
 
 def _offload(fw_module: fx.GraphModule, bw_module: fx.GraphModule, names: list[str],
-             num_fwd_outputs: int, static_lifetime_input_nodes: Any) -> int:
+             num_fwd_outputs: int, static_lifetime_input_nodes: Any) -> list[str]:
     """Has PyTorch's activation-offloading pass copy the saved values ``names`` (chosen by the
     solver) to host memory after the forward computes them and back where the backward first
     reads them: on CUDA on a side stream, the backward prefetching ahead of use; elsewhere as
-    plain copies. Returns the number of copies to host in the forward graph."""
+    plain copies. Returns the names it copied (the pass skips model outputs, views and
+    non-contiguous values)."""
     import torch
     from torch._functorch import config as functorch_config
 
@@ -165,14 +180,20 @@ def _offload(fw_module: fx.GraphModule, bw_module: fx.GraphModule, names: list[s
     with functorch_config.patch(flags):
         _call_supported(enable_activation_offloading, fw_module, bw_module, num_fwd_outputs,
                         static_lifetime_input_nodes)
+    moved = [n.name for n in fw_module.graph.nodes
+             if n.name in chosen and n.meta.get("saved_for_offloading", False)]
     fw_module.recompile()
     bw_module.recompile()
-    return sum(1 for n in fw_module.graph.nodes if n.name.startswith(CPU_OFFLOAD_PREFIX))
+    copies = sum(1 for n in fw_module.graph.nodes if n.name.startswith(CPU_OFFLOAD_PREFIX))
+    if copies != len(moved):  # PyTorch's pass changed how it marks what it moves
+        raise AutospError(f"[remat] Offload: PyTorch's offloading pass made {copies} copies of "
+                          f"{len(moved)} values marked saved_for_offloading; autosp bug")
+    return moved
 
 
 def _graph_report(
     policy: RematPolicy, solution: Any, facts: list[Any], solve_seconds: float,
-    offload_copies: int = 0,
+    offload_copies: int = 0, offloaded_bytes: int = 0,
 ) -> GraphRematReport:
     F = _core.RematFate
     fate_names = {
@@ -218,7 +239,7 @@ def _graph_report(
         layers=layers,
         nodes=node_rows,
         model_flops=float(sum(f.flops for f in facts)),
-        offloaded_bytes=solution.offloaded_bytes,
+        offloaded_bytes=offloaded_bytes,
         offload_copies=offload_copies,
     )
 

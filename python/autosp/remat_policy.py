@@ -117,9 +117,9 @@ class GraphRematReport:
     # FLOPs of the joint graph's forward and backward nodes on this rank, at the traced
     # sizes, recomputation not included: the model FLOPs of one micro-batch (for MFU).
     model_flops: float = 0.0
-    # With Offload: the saved bytes the solver chose to keep in host memory, and the copies to
-    # host PyTorch's pass inserted in the forward graph (it skips views and non-contiguous
-    # values).
+    # With Offload: the saved bytes kept in host memory, and the copies to host PyTorch's pass
+    # inserted in the forward graph: the values the solver chose but model outputs and
+    # non-contiguous values, which the pass skips (a warning says when nothing is offloaded).
     offloaded_bytes: int = 0
     offload_copies: int = 0
 
