@@ -98,26 +98,33 @@ Propagator::Propagator(const Graph& in, const SpConfig& cfg) : in_(in), cfg_(cfg
 Propagation Propagator::run() {
   for (const Node& n : in_.nodes) {
     if (n.has_attr("grad_enabled")) grad_enabled_ = n.bool_attr("grad_enabled", true);
-    if (n.op == "input") {
-      decide_input(n);
-    } else if (n.op == "output") {
-      refuse_local_operands(n);
-      decide_output(n);
-    } else {
-      const OpRule* rule = rule_for(n);
-      switch (rule ? rule->emitter : Emitter::Rule) {
-        case Emitter::Attention:
-          refuse_local_operands(n);
-          decide_attention(n);
-          break;
-        case Emitter::CrossEntropy:
-          decide_loss(n);
-          break;
-        case Emitter::Rule:
-          decide_generic(n, rule);
-          break;
-      }
+    const OpRule* rule = rule_for(n);
+    const NodeRole role = n.op == "input"                          ? NodeRole::Input
+                          : n.op == "output"                       ? NodeRole::Output
+                          : !rule                                  ? NodeRole::Rule
+                          : rule->emitter == Emitter::Attention    ? NodeRole::Attention
+                          : rule->emitter == Emitter::CrossEntropy ? NodeRole::Loss
+                                                                   : NodeRole::Rule;
+    switch (role) {
+      case NodeRole::Input:
+        decide_input(n);
+        break;
+      case NodeRole::Output:
+        refuse_local_operands(n);
+        decide_output(n);
+        break;
+      case NodeRole::Attention:
+        refuse_local_operands(n);
+        decide_attention(n);
+        break;
+      case NodeRole::Loss:
+        decide_loss(n);
+        break;
+      case NodeRole::Rule:
+        decide_generic(n, rule);
+        break;
     }
+    out_.nodes[static_cast<size_t>(n.id)].role = role;
   }
   return std::move(out_);
 }

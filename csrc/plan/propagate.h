@@ -47,8 +47,13 @@ struct Step {
 // "sp.slice", "sp.all_to_all", ... for a step.
 const char* step_op(Step::Kind kind);
 
+// Which decision a node took, and so which emitter carries it out (the op table's Emitter
+// column for ops; graph inputs and the output have their own).
+enum class NodeRole { Input, Output, Attention, Loss, Rule };
+
 // The decision for one node of the input graph.
 struct NodePlacement {
+  NodeRole role = NodeRole::Rule;
   std::vector<std::vector<Step>> steps;  // per input, in order
   std::vector<Placement> operands;       // per input: the placement the op reads (after steps)
   std::vector<Placement> results;        // per output: as the op itself makes it

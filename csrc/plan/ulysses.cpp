@@ -18,23 +18,22 @@ namespace plan_detail {
 SpPlan PlanBuilder::run() {
   for (const Node& n : in_.nodes) {
     if (n.has_attr("grad_enabled")) set_grad_mode(n.bool_attr("grad_enabled", true));
-    if (n.op == "input") {
-      emit_input(n);
-    } else if (n.op == "output") {
-      emit_output(n);
-    } else {
-      const OpRule* rule = rule_for(n);
-      switch (rule ? rule->emitter : Emitter::Rule) {
-        case Emitter::Attention:
-          emit_sdpa(n);
-          break;
-        case Emitter::CrossEntropy:
-          emit_cross_entropy(n);
-          break;
-        case Emitter::Rule:
-          emit_generic(n);
-          break;
-      }
+    switch (prop_.nodes.at(static_cast<size_t>(n.id)).role) {  // decided by propagation
+      case NodeRole::Input:
+        emit_input(n);
+        break;
+      case NodeRole::Output:
+        emit_output(n);
+        break;
+      case NodeRole::Attention:
+        emit_sdpa(n);
+        break;
+      case NodeRole::Loss:
+        emit_cross_entropy(n);
+        break;
+      case NodeRole::Rule:
+        emit_generic(n);
+        break;
     }
     check_outputs(n);
   }
