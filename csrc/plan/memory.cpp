@@ -99,6 +99,15 @@ TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t 
   return {k * hidden, 0, k * classes + accumulator};
 }
 
+int64_t tiled_rows_chunk(int64_t rows, int64_t in_bytes, int64_t inner_bytes,
+                         int64_t fixed_rows) {
+  if (rows <= 0) return 1;
+  if (fixed_rows > 0) return std::min(rows, fixed_rows);
+  if (inner_bytes <= 0) return rows;
+  const int64_t even = (rows * in_bytes + inner_bytes - 1) / inner_bytes;
+  return std::min(rows, std::max<int64_t>({even, kMinTiledRows, 1}));
+}
+
 const char* to_string(RematStrategy strategy) {
   switch (strategy) {
     case RematStrategy::kNone:

@@ -220,6 +220,16 @@ struct TiledLossWorkspace {
 TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t hidden,
                                         int64_t weight_itemsize, int64_t fixed_rows);
 
+// Rows per chunk of a tiled row-wise block (SpConfig::tile_mlp, python/autosp/tiled_rows.py)
+// over `rows` rows, whose row operands hold `in_bytes` per row and whose intermediates
+// `inner_bytes`: `fixed_rows` when positive; else chunks whose intermediates are as large as
+// the operands (ceil(rows * in_bytes / inner_bytes) rows), but not under kMinTiledRows rows
+// (below that a matmul no longer runs at full speed on a GPU), and not over `rows`.
+//   rows 16384, in 8192, inner 114688 (Llama-3-8B's SwiGLU, bf16): 1171 rows (14 chunks)
+//   rows 2048, same block: 1024 rows
+inline constexpr int64_t kMinTiledRows = 1024;
+int64_t tiled_rows_chunk(int64_t rows, int64_t in_bytes, int64_t inner_bytes, int64_t fixed_rows);
+
 // The saved set at `seq`: fate per node (RematFate), as the remat solver decides it for the
 // strategy, or, for kFullCheckpoint, saving only values that cross a layer boundary (a layer
 // is a RematNode::layer ending in a numbered component, "layers.3") or live outside layers.

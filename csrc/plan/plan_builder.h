@@ -40,6 +40,10 @@ class PlanBuilder {
   // hoisted); inputs, the output and side-effecting nodes stay.
   void eliminate_dead_nodes();
 
+  // Tiled MLP (SpConfig::tile_mlp, tiled_rows.cpp): each row-wise block that ends in a linear
+  // and holds at least two becomes one tiled_rows node; reasons in mlp_tiling_.
+  void tile_rows();
+
  private:
   // Tiled loss (SpConfig::tile_loss, loss.cpp): a cross-entropy whose logits come from a
   // linear through row-wise ops. `chain`: the
@@ -174,6 +178,7 @@ class PlanBuilder {
   int copy_loss(const Node& n, std::vector<int> args, const Placement& out, Attrs attrs,
                 const std::optional<HeadTile>& tile);
   std::vector<std::string> loss_tiling_;
+  std::vector<std::string> mlp_tiling_;
   std::vector<int> uses_;          // input value id -> number of reads (node inputs and outputs)
   std::vector<bool> in_autocast_;  // input node id -> inside a torch.autocast region
 

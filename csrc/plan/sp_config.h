@@ -36,6 +36,11 @@ struct SpConfig {
   // logits (logits also read elsewhere are still made for that reader). A loss the chunks
   // could not reproduce is left as written, with the reason in SpPlan::loss_tiling.
   bool tile_loss = false;
+  // Row-wise blocks (an MLP: linears and elementwise ops whose intermediates nothing else
+  // reads, ending in a linear) run as one tiled_rows node over chunks of rows, recomputed in
+  // backward (ALST's TiledMLP): one chunk's intermediates exist at a time. Reasons and blocks
+  // in SpPlan::mlp_tiling.
+  bool tile_mlp = false;
 };
 
 }  // namespace autosp

@@ -38,12 +38,14 @@ SpPlan PlanBuilder::run() {
     check_outputs(n);
   }
   eliminate_dead_nodes();
+  if (cfg_.tile_mlp) tile_rows();
   if (cfg_.bucket_grad_sync) bucket_grad_syncs();
   SpPlan plan;
   plan.graph = std::move(out_);
   plan.placements = std::move(place_);
   plan.gathered = prop_.gathered;
   plan.loss_tiling = std::move(loss_tiling_);
+  plan.mlp_tiling = std::move(mlp_tiling_);
   return plan;
 }
 

@@ -27,6 +27,13 @@
 // logits; head_regroup marks with 1 the reshapes among them, which a chunk of rows skips),
 // computed a chunk of rows at a time.
 //
+// A tiled_rows node (SpConfig::tile_mlp, tiled_rows.cpp) stands for a row-wise block (an
+// MLP): inputs are its row operands (attribute row_inputs of them, cut into chunks along
+// row_dim) then the operands it reads whole; row_nodes lists the block's input-graph nodes in
+// order, and row_args, per node, its number of inputs then each input: k >= 0 the tiled
+// node's input k, -1 absent, -2 - j the result of the block's node j. row_in_bytes and
+// row_inner_bytes: bytes per index of row_dim of its row operands and of its intermediates.
+//
 // Original nodes keep their ids in `origin` and may carry attribute updates the bridge
 // applies: local_dims (output dims whose size arguments become S/P), scale_by_sp,
 // reduction, rewrite_target.
@@ -59,6 +66,9 @@ struct SpPlan {
   // With SpConfig::tile_loss: for each cross-entropy, in program order, "tiled: ..." or
   // "not tiled: <why>" with its source line.
   std::vector<std::string> loss_tiling;
+  // With SpConfig::tile_mlp: for each row-wise block found, in program order, "tiled: ..." or
+  // "not tiled: <why>" with its source line.
+  std::vector<std::string> mlp_tiling;
   // The first stage's decisions (propagate.h), which the graph carries out.
   Propagation propagation;
 

@@ -274,6 +274,12 @@ class SpConfig:
     @tile_loss.setter
     def tile_loss(self, arg: bool, /) -> None: ...
 
+    @property
+    def tile_mlp(self) -> bool: ...
+
+    @tile_mlp.setter
+    def tile_mlp(self, arg: bool, /) -> None: ...
+
 class SpPlan:
     @property
     def graph(self) -> Graph: ...
@@ -286,6 +292,9 @@ class SpPlan:
 
     @property
     def loss_tiling(self) -> list[str]: ...
+
+    @property
+    def mlp_tiling(self) -> list[str]: ...
 
     def collective_counts(self) -> dict[str, int]: ...
 
@@ -987,6 +996,9 @@ def tiled_loss_workspace(backward: bool, classes: int, hidden: int, weight_items
     """
     Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see csrc/plan/memory.h).
     """
+
+def tiled_rows_chunk(rows: int, in_bytes: int, inner_bytes: int, fixed_rows: int) -> int:
+    """Rows per chunk of a tiled row-wise block (see csrc/plan/memory.h)."""
 
 def decide_fates(graph: MemoryGraph, seq: int, options: MemoryOptions) -> list[RematFate]:
     """

@@ -127,9 +127,10 @@ def _check_outputs(outputs: str) -> None:
                           "rank's chunk of outputs sharded along the sequence.")
 
 
-def _check_tile_loss(tile_loss: Any) -> None:
-    if not isinstance(tile_loss, bool):
-        raise AutospError(f"[autosp:compile] found tile_loss={tile_loss!r}; expected True or False.")
+def _check_tiling(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise AutospError(f"[autosp:compile] found {name}={value!r}; expected True or False.")
 
 
 def _check_unsupported(unsupported: str) -> None:
@@ -141,18 +142,20 @@ def _check_unsupported(unsupported: str) -> None:
 
 def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
                   remat_report: Any = None, outputs: str = "full",
-                  unsupported: str = "gather", tile_loss: bool = False) -> SequenceParallelBackend:
+                  unsupported: str = "gather", tile_loss: bool = False,
+                  tile_mlp: bool = False) -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
                                    backend=compiler, remat_report=remat_report,
                                    gather_outputs=outputs == "full",
                                    gather_unsupported=unsupported == "gather",
-                                   tile_loss=tile_loss)
+                                   tile_loss=tile_loss, tile_mlp=tile_mlp)
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", outputs: str = "full",
-            unsupported: str = "gather", tile_loss: bool = False) -> SequenceParallelBackend:
+            unsupported: str = "gather", tile_loss: bool = False,
+            tile_mlp: bool = False) -> SequenceParallelBackend:
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
     (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`.
@@ -162,9 +165,9 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
     _check_seq_dim(seq_dim)
     _check_outputs(outputs)
     _check_unsupported(unsupported)
-    _check_tile_loss(tile_loss)
+    _check_tiling(tile_loss=tile_loss, tile_mlp=tile_mlp)
     return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs, unsupported=unsupported,
-                         tile_loss=tile_loss)
+                         tile_loss=tile_loss, tile_mlp=tile_mlp)
 
 
 def _logging_functions() -> set:
@@ -347,6 +350,12 @@ class SequenceParallelModule(nn.Module):
         return [line for rec in self.sp_backend.records for line in rec.loss_tiling]
 
     @property
+    def mlp_tiling(self) -> list[str]:
+        """With ``tile_mlp=True``: per row-wise block (MLP) of every compiled graph, "tiled:
+        ..." or "not tiled: <why>", with its source line."""
+        return [line for rec in self.sp_backend.records for line in rec.mlp_tiling]
+
+    @property
     def decomposed(self) -> list[str]:
         """Composite Torch functions (``multi_head_attention_forward``) taken apart into ATen
         ops and planned op by op (autosp.decompose), by name, over every compiled graph."""
@@ -364,7 +373,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
             backend: str = "inductor", average_dp: bool = True,
             remat_report: Any = None, outputs: str = "full",
             check_inputs: str = "on_change", unsupported: str = "gather",
-            tile_loss: bool = False) -> SequenceParallelModule:
+            tile_loss: bool = False, tile_mlp: bool = False) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -409,6 +418,12 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     order of the sum over tokens; costs a second forward of the projection. A loss whose
     logits are also returned or read elsewhere is left as written;
     ``SequenceParallelModule.loss_tiling`` says, per loss, whether it was tiled and why not.
+
+    ``tile_mlp``: run each row-wise block (an MLP or SwiGLU: linears and elementwise ops whose
+    intermediates nothing else reads) a chunk of tokens at a time, recomputing each chunk in
+    backward, so that one chunk's ``[tokens, ffn]`` intermediates exist at a time
+    (autosp.tiled_rows). Exact up to the order of the weights' gradient sums; costs a second
+    forward of the block. ``SequenceParallelModule.mlp_tiling`` lists the blocks.
     """
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
@@ -417,11 +432,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
                           "or an autosp.remat.MemoryBudget or autosp.remat.Offload.")
     _check_outputs(outputs)
     _check_unsupported(unsupported)
-    _check_tile_loss(tile_loss)
+    _check_tiling(tile_loss=tile_loss, tile_mlp=tile_mlp)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported,
-                               tile_loss)
+                               tile_loss, tile_mlp)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     shard.check_not_fsdp2(model)
     if shard.is_sharded(model):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp import collectives, tiled_attention, tiled_loss
+from autosp import collectives, tiled_attention, tiled_loss, tiled_rows
 from autosp.bridge import BridgeResult
 from autosp.apply_args import (current_reduction, node_loc, nodes_in, replaced_expr, rewrite_target, set_path,
                                set_reduction, to_mutable, to_tuples, unslice)
@@ -105,6 +105,11 @@ class _Replayer:
             reduction = cn.attrs.get("reduction", current_reduction(fxn))
             ins = [self.value_node(v) if v >= 0 else None for v in cn.inputs]
             nn = tiled_loss.emit(self.graph, fxn, cn, self.bridge, ins, str(reduction))
+            nn.meta = copy.copy(fxn.meta)
+        elif "row_nodes" in cn.attrs:
+            # A row-wise block (an MLP) run a chunk of rows at a time (tiled_rows).
+            nn = tiled_rows.emit(self.graph, fxn, cn, self.bridge,
+                                 [self.value_node(v) for v in cn.inputs])
             nn.meta = copy.copy(fxn.meta)
         else:
             # Tensor operands are substituted below by path; the rest map to their copies.

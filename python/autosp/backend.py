@@ -50,6 +50,8 @@ class CompileRecord:
     decomposed: list[str] = field(default_factory=list)
     # With tile_loss: per cross-entropy, "tiled: ..." or "not tiled: <why>" (autosp.tiled_loss).
     loss_tiling: list[str] = field(default_factory=list)
+    # With tile_mlp: per row-wise block, "tiled: ..." or "not tiled: <why>" (autosp.tiled_rows).
+    mlp_tiling: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -109,7 +111,8 @@ class SequenceParallelBackend:
     def __init__(self, *, rank: int, world: int, group: str, seq_dim: int = 1,
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
                  remat_report: Any = None, gather_outputs: bool = True,
-                 gather_unsupported: bool = True, tile_loss: bool = False) -> None:
+                 gather_unsupported: bool = True, tile_loss: bool = False,
+                 tile_mlp: bool = False) -> None:
         if backend not in BACKENDS:
             raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -120,6 +123,7 @@ class SequenceParallelBackend:
         self.gather_outputs = gather_outputs
         self.gather_unsupported = gather_unsupported
         self.tile_loss = tile_loss
+        self.tile_mlp = tile_mlp
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
@@ -167,6 +171,7 @@ class SequenceParallelBackend:
                 cfg.gather_outputs = self.gather_outputs
                 cfg.gather_unsupported = self.gather_unsupported
                 cfg.tile_loss = self.tile_loss
+                cfg.tile_mlp = self.tile_mlp
                 try:
                     plan = _core.plan_ulysses(bridge.graph, cfg)
                 except _core.PlanError as e:
@@ -177,6 +182,7 @@ class SequenceParallelBackend:
                 rec.collective_counts = dict(plan.collective_counts())
                 rec.gathered = list(plan.gathered)
                 rec.loss_tiling = list(plan.loss_tiling)
+                rec.mlp_tiling = list(plan.mlp_tiling)
                 rec.tiled_masks = [str(n.loc) for n in plan.graph.nodes if "mask_tiles" in n.attrs]
                 if rec.gathered:
                     warnings.warn(gather_warning(rec.gathered), AutospGatherWarning, stacklevel=2)

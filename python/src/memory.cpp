@@ -166,6 +166,8 @@ void init_memory(nb::module_& m) {
         "weight_itemsize"_a, "fixed_rows"_a,
         "Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see "
         "csrc/plan/memory.h).");
+  m.def("tiled_rows_chunk", &tiled_rows_chunk, "rows"_a, "in_bytes"_a, "inner_bytes"_a,
+        "fixed_rows"_a, "Rows per chunk of a tiled row-wise block (see csrc/plan/memory.h).");
   m.def(
       "decide_fates",
       [](const MemoryGraph& g, int64_t seq, const MemoryOptions& o) {

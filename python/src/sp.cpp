@@ -48,13 +48,15 @@ void init_sp(nb::module_& m) {
       .def_rw("bucket_grad_sync", &SpConfig::bucket_grad_sync)
       .def_rw("gather_outputs", &SpConfig::gather_outputs)
       .def_rw("gather_unsupported", &SpConfig::gather_unsupported)
-      .def_rw("tile_loss", &SpConfig::tile_loss);
+      .def_rw("tile_loss", &SpConfig::tile_loss)
+      .def_rw("tile_mlp", &SpConfig::tile_mlp);
 
   nb::class_<SpPlan>(m, "SpPlan")
       .def_ro("graph", &SpPlan::graph)
       .def_ro("placements", &SpPlan::placements)
       .def_ro("gathered", &SpPlan::gathered)
       .def_ro("loss_tiling", &SpPlan::loss_tiling)
+      .def_ro("mlp_tiling", &SpPlan::mlp_tiling)
       .def("collective_counts", &SpPlan::collective_counts)
       .def("__str__", &SpPlan::str);
 
