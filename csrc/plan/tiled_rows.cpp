@@ -91,8 +91,7 @@ void PlanBuilder::tile_rows() {
     auto whole = [&](int v) {
       const Value& x = val(v);
       const int at = d - (y.rank() - x.rank());
-      return placement(v).is_replicate() &&
-             (at < 0 || x.shape[static_cast<size_t>(at)].is_one());
+      return placement(v).is_replicate() && (at < 0 || x.shape[static_cast<size_t>(at)].is_one());
     };
     auto admissible = [&](int i) {
       const Node& p = out_.nodes[static_cast<size_t>(i)];
@@ -133,7 +132,8 @@ void PlanBuilder::tile_rows() {
         const int i = *it;
         bool outside = false;
         if (i != static_cast<int>(r))
-          for (int reader : readers[static_cast<size_t>(out_.nodes[static_cast<size_t>(i)].outputs[0])])
+          for (int reader :
+               readers[static_cast<size_t>(out_.nodes[static_cast<size_t>(i)].outputs[0])])
             outside = outside || reader < 0 || !members.count(reader);
         if (outside) {
           it = members.erase(it);
@@ -156,8 +156,7 @@ void PlanBuilder::tile_rows() {
       const Node& m = out_.nodes[static_cast<size_t>(i)];
       for (size_t k = 0; k < m.inputs.size(); ++k) {
         const int v = m.inputs[k];
-        if (v < 0 || member_at.count(prod[static_cast<size_t>(v)] < 0 ? -1 : prod[static_cast<size_t>(v)]))
-          continue;
+        if (v < 0 || member_at.count(prod[static_cast<size_t>(v)]) != 0) continue;
         const bool weight = m.op == "linear" && k > 0;
         if (!weight && row_shaped(val(v)) && placement(v) == pl) {
           if (std::find(rows.begin(), rows.end(), v) == rows.end()) rows.push_back(v);
@@ -176,8 +175,9 @@ void PlanBuilder::tile_rows() {
         inner_width += bytes_per_row(val(out_.nodes[static_cast<size_t>(i)].outputs[0]), d);
     const Node& first = in_.nodes[static_cast<size_t>(root.origin)];
     const std::string where =
-        "'linear' at " + (first.loc.empty() ? std::string("?")
-                                            : first.loc.file + ":" + std::to_string(first.loc.line));
+        "'linear' at " + (first.loc.empty()
+                              ? std::string("?")
+                              : first.loc.file + ":" + std::to_string(first.loc.line));
     if (in_width <= 0 || inner_width <= in_width) {
       mlp_tiling_.push_back("not tiled: the row-wise block ending at " + where +
                             ": its intermediates are no wider than its inputs, so chunks save "
