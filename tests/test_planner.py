@@ -170,8 +170,8 @@ def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedSte
                           batch_size=BATCH, seq_multiple=256, plot=png)
     assert png.stat().st_size > 1000
     assert result.plot == str(png)
-    # 2 modes x 4 remat, 3 with the tiled loss, 2 with offload
-    assert len(result.strategies) == 13
+    # 2 modes x 4 remat, 3 with the tiled loss, 2 with the tiled loss and MLP, 3 with offload
+    assert len(result.strategies) == 16
     budget = 64 << 20
     for s in result.strategies:
         assert s.longest_seq > 0 and s.longest_seq % 256 == 0
@@ -186,6 +186,13 @@ def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedSte
     text = result.table()
     assert "ulysses + sequence-aware" in text and "longest S" in text
     assert "ulysses + full + tiled loss" in text
+    # The tiled MLP: its blocks' intermediates one chunk at a time, for their recomputation.
+    for remat in ("sequence-aware", "full"):
+        loss_only = result.strategy(f"ulysses + {remat} + tiled loss")
+        both = result.strategy(f"ulysses + {remat} + tiled loss + tiled mlp")
+        assert both.tile_mlp and not loss_only.tile_mlp
+        assert both.longest_seq >= loss_only.longest_seq, remat
+        assert both.at_seq.recompute_overhead > loss_only.at_seq.recompute_overhead, remat
     # Offload keeps the layers' hidden states on the host: more fits, and the table says how
     # much moves over the host link.
     plain = result.strategy("ulysses + sequence-aware")
@@ -279,7 +286,7 @@ def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.Monk
     import dataclasses
 
     config = dataclasses.replace(TINY, num_layers=4)  # the full trace is cached by the test above
-    key = (config, 1, "fp32", BATCH, True, False, None)
+    key = (config, 1, "fp32", BATCH, True, False, None, False, None)
     plan_trace._TRACE_CACHE.pop(key, None)
 
     def refuse(graph: Any, num_layers: int) -> Any:
@@ -380,7 +387,12 @@ def test_bad_gpu_memory_and_strategy() -> None:
                                           r"goes with the solver's policies"):
         planner.plan(TINY, gpus=2, sp=2, strategies=["ulysses+full+offload"])
     assert planner._parse_strategies(["ulysses+sequence-aware+tiled-loss+offload"]) == [
-        ("ulysses", "sequence-aware", True, True)]
+        planner.Choice("ulysses", "sequence-aware", tile_loss=True, offload=True)]
+    assert planner._parse_strategies(["ulysses+full+tiled-mlp", "no-sp+none+tiled loss+tiled mlp"]) == [
+        planner.Choice("ulysses", "full", tile_mlp=True),
+        planner.Choice("no-sp", "none", tile_loss=True, tile_mlp=True)]
+    with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+none\+tiled-mlp\+tiled-loss'"):
+        planner._parse_strategies(["ulysses+none+tiled-mlp+tiled-loss"])  # out of order
 
 
 def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -230,6 +230,28 @@ TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t 
 inline constexpr int64_t kMinTiledRows = 1024;
 int64_t tiled_rows_chunk(int64_t rows, int64_t in_bytes, int64_t inner_bytes, int64_t fixed_rows);
 
+// What a tiled row-wise block's op allocates and frees while it runs, for its node's
+// scratch_bytes: per_row * tokens + min(capped_per_row * tokens, cap) + constant, where tokens
+// are the rows of its operands (batch x rows along the chunk dim; `batch` the dims before it).
+// Per token of one chunk: the forward holds the chunk's intermediates (`inner_bytes`, the
+// replay keeps them to the end of the chunk) and its result (`out_bytes`); the backward holds
+// the recomputed intermediates and the gradients of part of them (3/2 x inner_bytes, fitted to
+// CPU measurements), and the operands read
+// whole (`whole_bytes`, `whole_elements`) get an fp32 accumulator and one chunk's gradient.
+// With chunks of tiled_rows_chunk rows: the even split's bytes grow with the tokens
+// (k * in_bytes each), kMinTiledRows rows' bytes bound the rest, and the rounding adds one
+// row along the chunk dim.
+struct TiledRowsWorkspace {
+  int64_t per_row = 0;
+  int64_t capped_per_row = 0;
+  int64_t cap = 0;
+  int64_t constant = 0;
+  bool operator==(const TiledRowsWorkspace&) const = default;
+};
+TiledRowsWorkspace tiled_rows_workspace(bool backward, int64_t in_bytes, int64_t inner_bytes,
+                                        int64_t out_bytes, int64_t whole_bytes,
+                                        int64_t whole_elements, int64_t batch, int64_t fixed_rows);
+
 // The saved set at `seq`: fate per node (RematFate), as the remat solver decides it for the
 // strategy, or, for kFullCheckpoint, saving only values that cross a layer boundary (a layer
 // is a RematNode::layer ending in a numbered component, "layers.3") or live outside layers.

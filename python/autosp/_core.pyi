@@ -997,6 +997,24 @@ def tiled_loss_workspace(backward: bool, classes: int, hidden: int, weight_items
     Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see csrc/plan/memory.h).
     """
 
+class TiledRowsWorkspace:
+    @property
+    def per_row(self) -> int: ...
+
+    @property
+    def capped_per_row(self) -> int: ...
+
+    @property
+    def cap(self) -> int: ...
+
+    @property
+    def constant(self) -> int: ...
+
+def tiled_rows_workspace(backward: bool, in_bytes: int, inner_bytes: int, out_bytes: int, whole_bytes: int, whole_elements: int, batch: int, fixed_rows: int) -> TiledRowsWorkspace:
+    """
+    Scratch bytes of a tiled row-wise block's op: per_row * tokens + min(capped_per_row * tokens, cap) + constant (see csrc/plan/memory.h).
+    """
+
 def tiled_rows_chunk(rows: int, in_bytes: int, inner_bytes: int, fixed_rows: int) -> int:
     """Rows per chunk of a tiled row-wise block (see csrc/plan/memory.h)."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autosp import _core, tiled_loss
+from autosp import _core, tiled_loss, tiled_rows
 from autosp.errors import AutospError
 from autosp.remat_facts import _COLLECTIVE_NAMESPACES, layer_of_path
 
@@ -219,7 +219,7 @@ def _memory_graph(
             raise AssertionError(f"{n.name}: {save_bytes} at S={hint} != remat bytes {f.bytes}")
         m.save_bytes = save_bytes
         m.flops = _fit_flops({s: flops_at[s][i] for s in probe})
-        if share := tiled_loss.recomputed_share(n):
+        if share := tiled_loss.recomputed_share(n) or tiled_rows.recomputed_share(n):
             m.inner_recompute_flops = _fit_flops({s: share * flops_at[s][i] for s in probe})
         if n.op == "placeholder":
             # Parameters: static-lifetime inputs, or (where the SP rewrite dropped Dynamo's
@@ -264,6 +264,16 @@ def _memory_graph(
                     t.cap = cap  # a fixed number of rows per chunk: one chunk at a time
                     terms.append(t)
                 m.scratch_bytes = _core.SeqBytes(terms + [_core.SeqTerm(constant, 0, 1)])
+            block = tiled_rows.workspace(n)
+            if block is not None:
+                w, first, dim = block
+                tokens = math.prod(_canonical(d, shape_env) for d in first.meta["val"].shape[:dim + 1])
+                terms = list(m.scratch_bytes.terms)
+                terms += list(_to_seq_bytes(tokens * w.per_row, seq).terms)
+                for t in _to_seq_bytes(tokens * w.capped_per_row, seq).terms:
+                    t.cap = w.cap
+                    terms.append(t)
+                m.scratch_bytes = _core.SeqBytes(terms + [_core.SeqTerm(w.constant, 0, 1)])
             target = n.target
             if (
                 isinstance(target, torch._ops.OpOverload)

@@ -72,6 +72,7 @@ class StrategyPlan:
     at_seq: MemoryPrediction | None  # at PlanResult.seq_len
     curve: tuple[tuple[int, int], ...]  # (S, predicted peak)
     tile_loss: bool = False  # autosp.compile(tile_loss=True)
+    tile_mlp: bool = False  # autosp.compile(tile_mlp=True)
     offload: bool = False  # remat=autosp.remat.Offload(...)
 
 

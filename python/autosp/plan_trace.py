@@ -109,10 +109,10 @@ def _build_fake_model(config: LlamaConfig, dtype: str, batch_size: int, seq: int
 
 def capture_joint(
     model: Any, args: Sequence[Any], *, sp_size: int, group: str | None = None,
-    tile_loss: bool = False,
+    tile_loss: bool = False, tile_mlp: bool = False,
 ) -> tuple[Any, Any, int, Any, set[int]]:
     """Traces `model(*args)` as autosp.compile would (Ulysses plan for `sp_size` ranks when
-    sp_size > 1 or with ``tile_loss``, as ``autosp.compile(tile_loss=...)``) up to AOTAutograd's prepared joint graph, and returns
+    sp_size > 1 or with ``tile_loss`` / ``tile_mlp``, as ``autosp.compile(tile_loss=..., tile_mlp=...)``) up to AOTAutograd's prepared joint graph, and returns
     ``(joint_module, node_info, num_fwd_outputs, shape_env, param_primals)`` (the indices of
     the primal inputs that are parameters, with their names) without compiling or running it.
     Mark the inputs' sequence dim dynamic first."""
@@ -150,11 +150,12 @@ def capture_joint(
             for i, x in enumerate(example_inputs)
             if isinstance(x, torch.nn.Parameter)
         }
-        if sp_size > 1 or tile_loss:
+        if sp_size > 1 or tile_loss or tile_mlp:
             bridge = fx_to_core(gm, list(example_inputs), 1)
             cfg = _core.SpConfig()
             cfg.sp_size = sp_size
             cfg.tile_loss = tile_loss
+            cfg.tile_mlp = tile_mlp
             try:
                 sp_plan = _core.plan_ulysses(bridge.graph, cfg)
             except _core.PlanError as e:
@@ -200,6 +201,7 @@ def trace_step(
     batch_size: int = 1,
     replicate: bool = True,
     tile_loss: bool = False,
+    tile_mlp: bool = False,
 ) -> TracedStep:
     """Traces one training step of `config` for one rank of an SP group of `sp_size` on fake
     tensors (no memory) and returns its MemoryGraph. Cached per process.
@@ -209,13 +211,15 @@ def trace_step(
     ``config.num_layers``: the same graph a full trace gives (tests/test_planner.py checks the
     predictions are equal), in seconds instead of minutes. If the trace does not have the
     structure replication needs, all layers are traced (``TracedStep.replicated`` says which).
-    ``tile_loss``: the loss computed as ``autosp.compile(tile_loss=True)`` computes it.
+    ``tile_loss``: the loss computed as ``autosp.compile(tile_loss=True)`` computes it;
+    ``tile_mlp``: the MLPs as ``autosp.compile(tile_mlp=True)`` computes them.
     """
-    from autosp import tiled_loss
+    from autosp import tiled_loss, tiled_rows
 
     # The tiled loss's chunks (autosp.tiled_loss.chunk_rows) decide its workspace.
     key = (config, sp_size, dtype, batch_size, replicate, tile_loss,
-           tiled_loss.env_rows() if tile_loss else None)
+           tiled_loss.env_rows() if tile_loss else None, tile_mlp,
+           tiled_rows.env_rows() if tile_mlp else None)
     if key in _TRACE_CACHE:
         return _TRACE_CACHE[key]
     import dataclasses
@@ -231,7 +235,8 @@ def trace_step(
     model, ids, labels = _build_fake_model(traced_config, dtype, batch_size, trace_seq)
     torch._dynamo.mark_dynamic(ids, 1)
     torch._dynamo.mark_dynamic(labels, 1)
-    captured = capture_joint(model, (ids, labels), sp_size=sp_size, tile_loss=tile_loss)
+    captured = capture_joint(model, (ids, labels), sp_size=sp_size, tile_loss=tile_loss,
+                             tile_mlp=tile_mlp)
     graph = _memory_graph(*captured)
     num_params = sum(p.numel() for p in model.parameters())
     fallback = None
@@ -249,7 +254,7 @@ def trace_step(
             f"autosp plan: {fallback}; tracing all {layers} layers instead (slower)", stacklevel=2
         )
         traced = trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=batch_size,
-                            replicate=False, tile_loss=tile_loss)
+                            replicate=False, tile_loss=tile_loss, tile_mlp=tile_mlp)
     else:
         traced = TracedStep(graph, num_params, sp_size, trace_seq, time.perf_counter() - start,
                             traced_layers=traced_config.num_layers,

@@ -23,7 +23,8 @@ Strategies: ``no-sp`` (P = 1, each GPU trains whole sequences; the GPUs are data
 (checkpoint every decoder layer: save only its input), and with the tiled loss
 (``+ tiled loss``: ``autosp.compile(tile_loss=True)``, the [tokens, vocab] logits computed a
 chunk at a time; by default planned with sequence-aware remat, and with full checkpointing
-under Ulysses).
+under Ulysses), the tiled MLP (``+ tiled mlp``: ``tile_mlp=True``) and activation offload
+(``+ offload``: ``remat=autosp.remat.Offload(...)``).
 
 Modules, by stage: ``autosp.plan_inputs`` (presets, model configs, byte sizes),
 ``autosp.plan_trace`` (the trace), ``autosp.plan_memory_graph`` (the joint graph as the core's
@@ -39,7 +40,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from autosp import _core
 from autosp.errors import AutospError
@@ -90,35 +91,58 @@ def _core_options(remat: str, dtype: str, num_params: int, shards: int,
     return options
 
 
-#: The strategies planned by default beyond every (mode, remat): these with the tiled loss,
-#: and these with activation offload (remat=autosp.remat.Offload(...)), with and without it.
-TILED_DEFAULTS = (("no-sp", "sequence-aware"), ("ulysses", "sequence-aware"), ("ulysses", "full"))
-OFFLOAD_DEFAULTS = (("ulysses", "sequence-aware", False), ("ulysses", "sequence-aware", True))
+class Choice(NamedTuple):
+    """One strategy: SP mode, remat, and the memory techniques on top."""
+
+    mode: str
+    remat: str
+    tile_loss: bool = False
+    tile_mlp: bool = False
+    offload: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.mode} + {self.remat}" + (" + tiled loss" if self.tile_loss else "")
+                + (" + tiled mlp" if self.tile_mlp else "") + (" + offload" if self.offload else ""))
+
+
+#: The strategies planned by default beyond every (mode, remat): the tiled loss, the tiled loss
+#: and MLP, and activation offload (remat=autosp.remat.Offload(...)) with and without both.
+DEFAULT_EXTRAS = (
+    Choice("no-sp", "sequence-aware", tile_loss=True),
+    Choice("ulysses", "sequence-aware", tile_loss=True),
+    Choice("ulysses", "full", tile_loss=True),
+    Choice("ulysses", "sequence-aware", tile_loss=True, tile_mlp=True),
+    Choice("ulysses", "full", tile_loss=True, tile_mlp=True),
+    Choice("ulysses", "sequence-aware", offload=True),
+    Choice("ulysses", "sequence-aware", tile_loss=True, offload=True),
+    Choice("ulysses", "sequence-aware", tile_loss=True, tile_mlp=True, offload=True),
+)
 TILED = "tiled-loss"
+TILED_MLP = "tiled-mlp"
 OFFLOAD = "offload"
+EXTRAS = (TILED, TILED_MLP, OFFLOAD)  # in this order in a strategy's name
 
 
-def _parse_strategies(strategies: Sequence[str] | None) -> list[tuple[str, str, bool, bool]]:
-    """(mode, remat, tiled loss, offload) per strategy."""
+def _parse_strategies(strategies: Sequence[str] | None) -> list[Choice]:
     if strategies is None:
-        return ([(mode, r, False, False) for mode in SP_MODES for r in REMAT_STRATEGIES]
-                + [(mode, r, True, False) for mode, r in TILED_DEFAULTS]
-                + [(mode, r, tile, True) for mode, r, tile in OFFLOAD_DEFAULTS])
+        return [Choice(mode, r) for mode in SP_MODES for r in REMAT_STRATEGIES] + list(DEFAULT_EXTRAS)
     out = []
     for s in strategies:
-        parts = s.replace(" ", "").replace("tiledloss", TILED).split("+")
+        parts = s.replace(" ", "").replace("tiledloss", TILED).replace("tiledmlp", TILED_MLP).split("+")
         extras = parts[2:]
         ok = (len(parts) >= 2 and parts[0] in SP_MODES and parts[1] in REMAT_STRATEGIES
-              and extras in ([], [TILED], [OFFLOAD], [TILED, OFFLOAD])
+              and extras == [e for e in EXTRAS if e in extras]
               and not (OFFLOAD in extras and parts[1] == "full"))
         if not ok:
             raise AutospError(
                 f"[plan] unknown strategy {s!r}; expected '<{'|'.join(SP_MODES)}>+"
-                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}][+{OFFLOAD}]', e.g. "
-                f"'ulysses+sequence-aware' or 'ulysses+sequence-aware+{TILED}+{OFFLOAD}' "
-                f"({OFFLOAD} goes with the solver's policies, not 'full')"
+                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}][+{TILED_MLP}][+{OFFLOAD}]', e.g. "
+                f"'ulysses+sequence-aware' or 'ulysses+sequence-aware+{TILED}+{TILED_MLP}+"
+                f"{OFFLOAD}' ({OFFLOAD} goes with the solver's policies, not 'full')"
             )
-        out.append((parts[0], parts[1], TILED in extras, OFFLOAD in extras))
+        out.append(Choice(parts[0], parts[1], TILED in extras, TILED_MLP in extras,
+                          OFFLOAD in extras))
     return out
 
 
@@ -182,20 +206,21 @@ def plan(
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise AutospError(f"[plan] found seq_len={seq_len!r}; expected a positive integer")
 
-    results: list[tuple[str, str, bool, bool, int, int, Any, Any]] = []
-    traces: dict[tuple[int, bool], TracedStep] = {}
+    results: list[tuple[Choice, int, int, Any, Any]] = []
+    traces: dict[tuple[int, bool, bool], TracedStep] = {}
     num_params = 0
-    for mode, remat, tile, offload in chosen:
-        p = sp if mode == "ulysses" else 1
+    for c in chosen:
+        p = sp if c.mode == "ulysses" else 1
         dp = gpus // p
-        if (p, tile) not in traces:
-            traces[(p, tile)] = trace_step(config, sp_size=p, dtype=dtype, batch_size=batch_size,
-                                           tile_loss=tile)
-        traced = traces[(p, tile)]
+        if (p, c.tile_loss, c.tile_mlp) not in traces:
+            traces[(p, c.tile_loss, c.tile_mlp)] = trace_step(
+                config, sp_size=p, dtype=dtype, batch_size=batch_size, tile_loss=c.tile_loss,
+                tile_mlp=c.tile_mlp)
+        traced = traces[(p, c.tile_loss, c.tile_mlp)]
         num_params = traced.num_params
         shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
-        options = _core_options(remat, dtype, traced.num_params, shards,
-                                param_shards=gpus if fsdp else 1, offload=offload)
+        options = _core_options(c.remat, dtype, traced.num_params, shards,
+                                param_shards=gpus if fsdp else 1, offload=c.offload)
         query = _core.TrainabilityQuery()
         query.budget_bytes = budget
         query.seq_multiple = multiple
@@ -204,19 +229,17 @@ def plan(
             found = _core.longest_trainable_seq(traced.graph, options, query)
         except ValueError as e:
             _raise_core(e)
-        results.append((mode, remat, tile, offload, p, dp, found, (traced, options)))
+        results.append((c, p, dp, found, (traced, options)))
 
     if seq_len is None:
-        pick = [r for r in results
-                if r[0] == "ulysses" and r[1] == "sequence-aware" and not r[2] and not r[3]] \
-            or results
-        seq_len = max(r[6].longest_seq for r in pick) or multiple
-    top = max([r[6].longest_seq for r in results] + [seq_len, multiple])
+        pick = [r for r in results if r[0] == Choice("ulysses", "sequence-aware")] or results
+        seq_len = max(r[3].longest_seq for r in pick) or multiple
+    top = max([r[3].longest_seq for r in results] + [seq_len, multiple])
     grid = sorted({max(multiple, (top * 5 // 4 * k // curve_points) // multiple * multiple)
                    for k in range(1, curve_points + 1)})
 
     plans = []
-    for mode, remat, tile, offload, p, dp, found, (traced, options) in results:
+    for c, p, dp, found, (traced, options) in results:
         at_seq = None
         if seq_len % p == 0:
             at_seq = MemoryPrediction.from_core(
@@ -225,9 +248,8 @@ def plan(
             (s, _core.simulate_peak_memory(traced.graph, s, options).peak) for s in grid
         )
         plans.append(StrategyPlan(
-            name=f"{mode} + {remat}" + (" + tiled loss" if tile else "")
-            + (" + offload" if offload else ""), sp_mode=mode,
-            remat=remat, tile_loss=tile, offload=offload, sp_size=p, dp_size=dp,
+            name=c.name, sp_mode=c.mode, remat=c.remat, tile_loss=c.tile_loss,
+            tile_mlp=c.tile_mlp, offload=c.offload, sp_size=p, dp_size=dp,
             longest_seq=found.longest_seq, capped=found.capped,
             at_longest=MemoryPrediction.from_core(found.at_longest) if found.longest_seq else None,
             at_seq=at_seq, curve=curve,
@@ -318,7 +340,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", type=int, default=1 << 22, help="search no further than this")
     p.add_argument("--strategies", default=None,
                    help="comma-separated, e.g. 'ulysses+none,ulysses+sequence-aware,"
-                        "ulysses+full+tiled-loss' (+tiled-loss: autosp.compile(tile_loss=True))")
+                        "ulysses+full+tiled-loss' (+tiled-loss: autosp.compile(tile_loss=True); "
+                        "+tiled-mlp: tile_mlp=True; +offload: remat=Offload(...))")
     p.add_argument("--plot", default=None,
                    help="PNG to write (default: autosp-plan-<model>.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write a plot")

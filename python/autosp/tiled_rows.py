@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 from math import prod
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -226,10 +226,30 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node]
                                (ins[:k], ins[k:], key, int(cn.attrs["row_dim"])))
 
 
+def workspace(node: fx.Node) -> tuple[Any, fx.Node, int] | None:
+    """What a tiled op of a joint graph allocates and frees while it runs, for ``autosp plan``'s
+    memory model: ``(core TiledRowsWorkspace, the first row operand, the chunk dim)``; the
+    tokens are that operand's dims up to the chunk dim. None for any other node. The estimate
+    is the core's (``_core.tiled_rows_workspace``, csrc/plan/memory.h)."""
+    forward = node.target is torch.ops.autosp.tiled_rows.default
+    if not forward and node.target is not torch.ops.autosp.tiled_rows_backward.default:
+        return None
+    rows, wholes, recipe, dim = node.args if forward else node.args[1:]
+    in_bytes, inner_bytes, _ = _FACTS[recipe]
+    out = (node if forward else node.args[0]).meta["val"]
+    out_bytes = out.dtype.itemsize * int(prod(out.shape[dim + 1:]))
+    vals = [w.meta["val"] for w in wholes]
+    batch = int(prod(rows[0].meta["val"].shape[:dim]))
+    w = _core.tiled_rows_workspace(not forward, in_bytes, inner_bytes, out_bytes,
+                                   sum(v.numel() * v.dtype.itemsize for v in vals),
+                                   sum(v.numel() for v in vals), batch, env_rows() or 0)
+    return w, rows[0], dim
+
+
 def recomputed_share(node: fx.Node) -> float:
-    """Of a tiled backward's model FLOPs, the share it computes again inside: the block's
-    forward (1 of the backward's 3 units); 0 for any other node."""
-    return 1.0 / 3.0 if node.target is torch.ops.autosp.tiled_rows_backward.default else 0.0
+    """Of a tiled backward node's FLOPs (its model FLOPs: twice the block's forward), the share
+    it computes again inside: the block's forward, a half; 0 for any other node."""
+    return 0.5 if node.target is torch.ops.autosp.tiled_rows_backward.default else 0.0
 
 
 def _register_flops() -> None:

@@ -166,6 +166,15 @@ void init_memory(nb::module_& m) {
         "weight_itemsize"_a, "fixed_rows"_a,
         "Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see "
         "csrc/plan/memory.h).");
+  nb::class_<TiledRowsWorkspace>(m, "TiledRowsWorkspace")
+      .def_ro("per_row", &TiledRowsWorkspace::per_row)
+      .def_ro("capped_per_row", &TiledRowsWorkspace::capped_per_row)
+      .def_ro("cap", &TiledRowsWorkspace::cap)
+      .def_ro("constant", &TiledRowsWorkspace::constant);
+  m.def("tiled_rows_workspace", &tiled_rows_workspace, "backward"_a, "in_bytes"_a, "inner_bytes"_a,
+        "out_bytes"_a, "whole_bytes"_a, "whole_elements"_a, "batch"_a, "fixed_rows"_a,
+        "Scratch bytes of a tiled row-wise block's op: per_row * tokens + min(capped_per_row * "
+        "tokens, cap) + constant (see csrc/plan/memory.h).");
   m.def("tiled_rows_chunk", &tiled_rows_chunk, "rows"_a, "in_bytes"_a, "inner_bytes"_a,
         "fixed_rows"_a, "Rows per chunk of a tiled row-wise block (see csrc/plan/memory.h).");
   m.def(

@@ -164,5 +164,19 @@ TEST(RowTiles, ChunkRows) {
   EXPECT_EQ(tiled_rows_chunk(3, 8192, 114688, 5), 3);
 }
 
+TEST(RowTiles, Workspace) {
+  // in 260, inner 4868, out 256 bytes per token; weights 3 x 64 x 256 fp32; batch 2.
+  const int64_t whole = 3 * 64 * 256;
+  // Forward, default chunks: the even split's share per token, 1024 rows' worth at most of
+  // the rest, one row of rounding.
+  EXPECT_EQ(
+      tiled_rows_workspace(false, 260, 4868, 256, whole * 4, whole, 2, 0),
+      (TiledRowsWorkspace{(5124 * 260 + 4867) / 4868, 5124, 5124 * 2 * kMinTiledRows, 5124 * 2}));
+  // Backward, 256 rows per chunk: 3/2 x inner per token of one chunk, and the weights' fp32
+  // accumulators with one chunk's gradient.
+  EXPECT_EQ(tiled_rows_workspace(true, 260, 4868, 256, whole * 4, whole, 2, 256),
+            (TiledRowsWorkspace{0, 7302, 7302 * 2 * 256, whole * 8}));
+}
+
 }  // namespace
 }  // namespace autosp

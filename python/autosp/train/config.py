@@ -82,6 +82,9 @@ class TrainingConfig:
     tile_loss: bool = _f(True, "compute the loss over lm_head a chunk of tokens at a time, so that "
                                "the [tokens, vocab] logits never exist whole (autosp.compile("
                                "tile_loss=True); exact)")
+    tile_mlp: bool = _f(False, "run each MLP a chunk of tokens at a time, recomputed in backward, "
+                               "so that its [tokens, ffn] intermediates never exist whole "
+                               "(autosp.compile(tile_mlp=True); exact)")
     check: bool = _f(False, "at the end, compare the first step's loss with the plain model on one "
                             "device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")

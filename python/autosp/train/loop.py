@@ -134,7 +134,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     if t.offload:
         remat = Offload(remat)
     compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=t.backend,
-                              remat_report=flops_report, tile_loss=t.tile_loss)
+                              remat_report=flops_report, tile_loss=t.tile_loss,
+                              tile_mlp=t.tile_mlp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)
@@ -152,7 +153,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
               f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
-              f"{', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}, "
+              f"{', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}, "
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)

@@ -28,7 +28,7 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
 
     t = cfg.training
     strategy = (f"ulysses+{t.remat}" + ("+tiled-loss" if t.tile_loss else "")
-                + ("+offload" if t.offload else ""))
+                + ("+tiled-mlp" if t.tile_mlp else "") + ("+offload" if t.offload else ""))
     start = time.perf_counter()
     try:
         result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,

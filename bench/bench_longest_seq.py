@@ -1,0 +1,166 @@
+"""Benchmark: the longest sequence a fixed per-rank memory budget trains, on CPU, for no SP,
+Ulysses, and Ulysses with sequence-aware remat, the tiled loss, the tiled MLP and offload;
+each as a ratio to Ulysses with PyTorch's default remat, with its step time beside it, all
+measured in one run.
+
+The model is Llama-3.2-1B's layer narrowed so it runs on a CPU (hidden 2048 -> ``--hidden``,
+the MLP 4x wide, 8 query heads per KV head as far as the width allows, ``--layers``), with the
+vocabulary kept at 128,256. Each strategy runs on rank 0 of an SP group of ``--sp`` (no SP: of
+1) against a fake process group: collectives allocate their outputs and do not communicate,
+so the memory is real and the step time is one rank's compute. Peak bytes are
+autosp.measure.train_step_memory's (torch.profiler's CPU allocations of a whole training
+step, AdamW included), at two lengths; the peak is linear in S here (SDPA's CPU kernel is
+flash attention), so the longest S under ``--budget`` is read off the line through them and
+then checked by a real step at that S (stepping down until it fits). The step time is the
+median of ``--steps`` steps at the second probe length, against Ulysses + default at the same
+length.
+
+Offload moves the saved hidden states to host memory; on a CPU host and device are the same
+memory (PyTorch's pass copies nothing), so its row shows the measured peak unchanged and
+``autosp plan``'s prediction for a GPU beside it.
+
+    .venv/bin/python bench/bench_longest_seq.py                     # ~15 minutes on 2 cores
+    .venv/bin/python bench/bench_longest_seq.py --budget 1GiB --hidden 128 --probe 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    sp: bool
+    remat: str
+    tile_loss: bool = False
+    tile_mlp: bool = False
+    offload: bool = False
+
+
+STRATEGIES = (
+    Strategy("no-sp + default", False, "default"),
+    Strategy("ulysses + default", True, "default"),
+    Strategy("ulysses + sequence-aware", True, "sequence-aware"),
+    Strategy("ulysses + sequence-aware + tiled loss", True, "sequence-aware", tile_loss=True),
+    Strategy("ulysses + sequence-aware + tiled loss + tiled mlp", True, "sequence-aware",
+             tile_loss=True, tile_mlp=True),
+    Strategy("ulysses + sequence-aware + tiled loss + tiled mlp + offload", True, "sequence-aware",
+             tile_loss=True, tile_mlp=True, offload=True),
+)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from autosp.models.llama import LlamaConfig
+
+    heads = max(2, args.hidden // 64)
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                       intermediate_size=4 * args.hidden, num_layers=args.layers,
+                       num_heads=heads, num_kv_heads=max(1, heads // 8))
+
+
+def _step_memory(s: Strategy, cfg: Any, p: int, seq: int, steps: int = 0) -> tuple[int, float]:
+    """(peak bytes, median step seconds over `steps` steps or 0) of a training step at `seq`
+    on rank 0 of `p` (fake process group)."""
+    import autosp
+    from autosp import measure
+    from autosp.models.llama import LlamaForCausalLM
+    from autosp.remat import Offload
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
+    try:
+        mesh = autosp.init_mesh(p)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        remat = Offload(s.remat) if s.offload else s.remat
+        compiled = autosp.compile(model, mesh=mesh, remat=remat, backend="aot_eager",
+                                  tile_loss=s.tile_loss, tile_mlp=s.tile_mlp)
+        ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+        peak = measure.train_step_memory(model, compiled, ids, ids).peak_bytes
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            compiled(ids, ids).backward()
+            times.append(time.perf_counter() - start)
+        return peak, statistics.median(times) if times else 0.0
+    finally:
+        dist.destroy_process_group()
+
+
+def _predicted_longest(s: Strategy, cfg: Any, p: int, budget: int, multiple: int) -> int:
+    import autosp
+
+    name = ("ulysses+" if s.sp else "no-sp+") + s.remat + ("+tiled-loss" if s.tile_loss else "") \
+        + ("+tiled-mlp" if s.tile_mlp else "") + ("+offload" if s.offload else "")
+    result = autosp.plan(cfg, gpus=p, sp=p, dtype="fp32", gpu_memory=budget, strategies=[name],
+                         optimizer_sharding="none", seq_multiple=multiple, curve_points=2)
+    return result.strategies[0].longest_seq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", default="2GiB", help="peak memory per rank")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--sp", type=int, default=4)
+    ap.add_argument("--probe", type=int, nargs=2, default=(2048, 4096),
+                    help="tokens per rank of the two probe steps")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated strategy names (default: all)")
+    args = ap.parse_args()
+
+    from autosp.plan_inputs import parse_bytes
+
+    budget = parse_bytes(args.budget)
+    cfg = _config(args)
+    gib = float(1 << 30)
+    print(f"Llama-3.2-1B-shaped layers narrowed to hidden {cfg.hidden_size} (MLP "
+          f"{cfg.intermediate_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV), "
+          f"{cfg.num_layers} layers, vocabulary {cfg.vocab_size}; budget {budget / gib:.2f} GiB "
+          f"per rank; fp32; rank 0 of sp {args.sp} on a fake process group, CPU")
+    rows = []
+    chosen = [s for s in STRATEGIES if not args.only or s.name in args.only.split(",")]
+    for s in chosen:
+        p = args.sp if s.sp else 1
+        multiple = 256 * p
+        s1, s2 = (t * p for t in args.probe)
+        m1, _ = _step_memory(s, cfg, p, s1)
+        m2, step_s = _step_memory(s, cfg, p, s2, steps=args.steps)
+        slope = (m2 - m1) / (s2 - s1)
+        longest = int((budget - m1) / slope + s1) // multiple * multiple if slope > 0 else 0
+        checked = 0
+        while longest > 0:
+            peak, _ = _step_memory(s, cfg, p, longest)
+            if peak <= budget:
+                checked = peak
+                break
+            longest -= multiple
+        predicted = _predicted_longest(s, cfg, p, budget, multiple)
+        rows.append((s, longest, checked, step_s, predicted, m2))
+        print(f"  {s.name}: peaks {m1 / gib:.3f} / {m2 / gib:.3f} GiB at S {s1} / {s2}; "
+              f"longest S {longest} (peak there {checked / gib:.3f} GiB); step {step_s:.2f} s "
+              f"at S {s2}; predicted longest {predicted}", flush=True)
+    base = next((r for r in rows if r[0].name == "ulysses + default"), rows[0])
+    print(f"\n{'strategy':<62} {'longest S':>10} {'x ulysses+default':>18} "
+          f"{'step s':>7} {'time ratio':>11} {'predicted S':>12}")
+    for s, longest, _, step_s, predicted, _ in rows:
+        same_s = s.sp == base[0].sp
+        ratio = f"{step_s / base[3]:.2f}x" if same_s and base[3] else "-"
+        print(f"{s.name:<62} {longest:>10} {longest / max(1, base[1]):>17.2f}x "
+              f"{step_s:>7.2f} {ratio:>11} {predicted:>12}")
+    print("Offload: measured on a CPU, where the host is the device; the predicted S is what "
+          "it reaches on a GPU with this budget.")
+
+
+if __name__ == "__main__":
+    main()
