@@ -26,6 +26,7 @@ memory (PyTorch's pass copies nothing), so its row shows the measured peak uncha
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -60,10 +61,13 @@ STRATEGIES = (
 def _config(args: argparse.Namespace) -> Any:
     from autosp.models.llama import LlamaConfig
 
-    heads = max(2, args.hidden // 64)
+    heads = max(args.sp, args.hidden // 64)
     return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                        intermediate_size=4 * args.hidden, num_layers=args.layers,
                        num_heads=heads, num_kv_heads=max(1, heads // 8))
+
+
+LOSS_ROWS_HIDDEN = 2048
 
 
 def _step_memory(s: Strategy, cfg: Any, p: int, seq: int, steps: int = 0) -> tuple[int, float]:
@@ -75,6 +79,7 @@ def _step_memory(s: Strategy, cfg: Any, p: int, seq: int, steps: int = 0) -> tup
     from autosp.remat import Offload
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    os.environ["AUTOSP_LOSS_TILE_ROWS"] = str(-(-seq // p * LOSS_ROWS_HIDDEN // cfg.vocab_size))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
     try:
         mesh = autosp.init_mesh(p)
@@ -96,14 +101,17 @@ def _step_memory(s: Strategy, cfg: Any, p: int, seq: int, steps: int = 0) -> tup
         dist.destroy_process_group()
 
 
-def _predicted_longest(s: Strategy, cfg: Any, p: int, budget: int, multiple: int) -> int:
+def _predicted_peak(s: Strategy, cfg: Any, p: int, seq: int) -> int:
+    """``autosp plan``'s peak for the strategy at `seq`, with the loss chunks the step had."""
     import autosp
 
+    os.environ["AUTOSP_LOSS_TILE_ROWS"] = str(-(-seq // p * LOSS_ROWS_HIDDEN // cfg.vocab_size))
     name = ("ulysses+" if s.sp else "no-sp+") + s.remat + ("+tiled-loss" if s.tile_loss else "") \
         + ("+tiled-mlp" if s.tile_mlp else "") + ("+offload" if s.offload else "")
-    result = autosp.plan(cfg, gpus=p, sp=p, dtype="fp32", gpu_memory=budget, strategies=[name],
-                         optimizer_sharding="none", seq_multiple=multiple, curve_points=2)
-    return result.strategies[0].longest_seq
+    result = autosp.plan(cfg, gpus=p, sp=p, dtype="fp32", gpu_memory=1 << 40, strategies=[name],
+                         optimizer_sharding="none", seq_multiple=p, seq_len=seq, max_seq=seq,
+                         curve_points=2)
+    return result.strategies[0].at_seq.peak
 
 
 def main() -> None:
@@ -116,11 +124,19 @@ def main() -> None:
     ap.add_argument("--probe", type=int, nargs=2, default=(2048, 4096),
                     help="tokens per rank of the two probe steps")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--search-steps", type=int, default=5,
+                    help="measured steps of the search for the longest S, per strategy")
+    ap.add_argument("--loss-rows-hidden", type=int, default=2048,
+                    help="the tiled loss's chunks as a model of this hidden size makes them "
+                         "(Llama-3.2-1B's 2048: ceil(tokens * 2048 / vocab) rows); the default "
+                         "rule with the narrowed hidden would make chunks 8x smaller")
     ap.add_argument("--only", default="", help="comma-separated strategy names (default: all)")
     args = ap.parse_args()
 
     from autosp.plan_inputs import parse_bytes
 
+    global LOSS_ROWS_HIDDEN
+    LOSS_ROWS_HIDDEN = args.loss_rows_hidden
     budget = parse_bytes(args.budget)
     cfg = _config(args)
     gib = float(1 << 30)
@@ -136,30 +152,42 @@ def main() -> None:
         s1, s2 = (t * p for t in args.probe)
         m1, _ = _step_memory(s, cfg, p, s1)
         m2, step_s = _step_memory(s, cfg, p, s2, steps=args.steps)
+        # A first guess from the line through the probes, then measured steps: double while
+        # a step fits, and bisect between the last fit and the first that did not.
         slope = (m2 - m1) / (s2 - s1)
-        longest = int((budget - m1) / slope + s1) // multiple * multiple if slope > 0 else 0
-        checked = 0
-        while longest > 0:
-            peak, _ = _step_memory(s, cfg, p, longest)
-            if peak <= budget:
-                checked = peak
+        guess = int((budget - m2) / slope + s2) if slope > 0 else 2 * s2
+        fits, over = (s2, None) if m2 <= budget else (0, s2)
+        probe = max(multiple, guess // multiple * multiple)
+        peaks = {s1: m1, s2: m2}
+        for _ in range(args.search_steps):
+            if over is not None and over - fits <= multiple:
                 break
-            longest -= multiple
-        predicted = _predicted_longest(s, cfg, p, budget, multiple)
+            if probe in peaks or probe <= fits or (over is not None and probe >= over):
+                probe = (2 * fits if over is None else (fits + over) // 2) // multiple * multiple
+                probe = max(probe, fits + multiple)
+            peaks[probe] = _step_memory(s, cfg, p, probe)[0]
+            if peaks[probe] <= budget:
+                fits = probe
+            else:
+                over = probe
+            probe = (2 * fits if over is None else (fits + over) // 2) // multiple * multiple
+        longest, checked = fits, peaks.get(fits, 0)
+        predicted = _predicted_peak(s, cfg, p, longest) if longest else 0
         rows.append((s, longest, checked, step_s, predicted, m2))
         print(f"  {s.name}: peaks {m1 / gib:.3f} / {m2 / gib:.3f} GiB at S {s1} / {s2}; "
-              f"longest S {longest} (peak there {checked / gib:.3f} GiB); step {step_s:.2f} s "
-              f"at S {s2}; predicted longest {predicted}", flush=True)
+              f"longest S {longest} (peak there {checked / gib:.3f} GiB, predicted "
+              f"{predicted / gib:.3f}); step {step_s:.2f} s at S {s2}", flush=True)
     base = next((r for r in rows if r[0].name == "ulysses + default"), rows[0])
     print(f"\n{'strategy':<62} {'longest S':>10} {'x ulysses+default':>18} "
-          f"{'step s':>7} {'time ratio':>11} {'predicted S':>12}")
-    for s, longest, _, step_s, predicted, _ in rows:
+          f"{'step s':>7} {'time ratio':>11} {'peak GiB':>9} {'predicted':>10}")
+    for s, longest, checked, step_s, predicted, _ in rows:
         same_s = s.sp == base[0].sp
         ratio = f"{step_s / base[3]:.2f}x" if same_s and base[3] else "-"
         print(f"{s.name:<62} {longest:>10} {longest / max(1, base[1]):>17.2f}x "
-              f"{step_s:>7.2f} {ratio:>11} {predicted:>12}")
-    print("Offload: measured on a CPU, where the host is the device; the predicted S is what "
-          "it reaches on a GPU with this budget.")
+              f"{step_s:>7.2f} {ratio:>11} {checked / gib:>9.3f} {predicted / gib:>10.3f}")
+    print("Step times at the second probe length, against ulysses + default at the same length. "
+          "Offload: measured on a CPU, where the host is the device (PyTorch's pass copies "
+          "nothing); its predicted peak is what a GPU holds at that S.")
 
 
 if __name__ == "__main__":

@@ -393,6 +393,9 @@ def test_bad_gpu_memory_and_strategy() -> None:
         planner.Choice("no-sp", "none", tile_loss=True, tile_mlp=True)]
     with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+none\+tiled-mlp\+tiled-loss'"):
         planner._parse_strategies(["ulysses+none+tiled-mlp+tiled-loss"])  # out of order
+    # 'all': per mode, 3 solver policies x 8 subsets of the extras, and 'full' without offload
+    everything = planner._parse_strategies(["all"])
+    assert len(everything) == len(set(everything)) == 2 * (3 * 8 + 4)
 
 
 def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:

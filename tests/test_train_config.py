@@ -180,3 +180,39 @@ def test_resumed_metrics_drop_the_steps_run_again(tmp_path: Path) -> None:
     log.close()
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
+
+
+def test_remat_auto_picks_the_cheapest_combination_that_fits() -> None:
+    """``training.remat = "auto"``: autosp plan's cheapest combination (least recomputation
+    and host-link time) whose predicted peak fits ``memory_gib``. With room to spare nothing
+    is recomputed; squeezed, it takes techniques that recompute (and fits); with too little
+    room, and on a CPU without a budget, an AutospError says why."""
+    from autosp.errors import AutospError
+    from autosp.train.predict import choose_strategy
+
+    def cfg_with(memory_gib: float) -> C.TrainConfig:
+        cfg = C.TrainConfig()
+        cfg.training.remat, cfg.training.memory_gib, cfg.training.seq_len = "auto", memory_gib, 65536
+        cfg.training.batch_size = 1
+        return cfg
+
+    cpu = torch.device("cpu")
+    roomy = cfg_with(64.0)
+    line = choose_strategy(roomy, 2, 2, 256, cpu)
+    assert line.startswith("autosp plan: remat auto chose ulysses + ") and "+0% predicted" in line
+    assert not (roomy.training.tile_mlp or roomy.training.offload)
+    def peak(line: str) -> float:
+        return float(line.split("predicted peak ")[1].split(" GiB")[0])
+
+    roomy_peak = peak(line)
+    tight = cfg_with(0.6 * roomy_peak)
+    line = choose_strategy(tight, 2, 2, 256, cpu)
+    t = tight.training
+    assert (t.remat, t.tile_mlp, t.offload) != (roomy.training.remat, roomy.training.tile_mlp,
+                                                  roomy.training.offload), line
+    assert peak(line) <= 0.6 * roomy_peak + 0.001, line
+    with pytest.raises(AutospError, match=r"remat = 'auto': found no combination .* predicted to "
+                                          r"fit 0.00 GiB per rank at S = 65536 \(the lowest: "):
+        choose_strategy(cfg_with(0.001), 2, 2, 256, cpu)
+    with pytest.raises(AutospError, match=r"training.memory_gib = 0 on a CPU; expected the memory"):
+        choose_strategy(cfg_with(0.0), 2, 2, 256, cpu)

@@ -11,6 +11,10 @@ from autosp.models.llama import LlamaConfig
 #: Host <-> device bandwidth ``autosp plan`` states offload's transfer time at (bytes per
 #: second): PCIe 4.0 x16, about 25 GB/s each way in practice.
 HOST_BANDWIDTH = 25e9
+#: Effective device throughput (FLOPs per second) at which ``autosp plan`` weighs offload's
+#: copies against recomputation when it picks the cheapest strategy: an H100's bf16 at about
+#: 40% MFU.
+DEVICE_FLOPS = 400e12
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,15 @@ class MemoryPrediction:
             step_flops=b.step_flops, recompute_flops=b.recompute_flops,
             offloaded_bytes=b.offloaded_bytes,
         )
+
+    @property
+    def overhead(self) -> float:
+        """Predicted step-time overhead: the recomputed FLOPs over the step's, plus the
+        offloaded bytes' time on the host link (HOST_BANDWIDTH) over the step's compute time
+        (its FLOPs at DEVICE_FLOPS), counted as if the copies did not overlap compute."""
+        compute = self.step_flops / DEVICE_FLOPS
+        link = self.offload_seconds(HOST_BANDWIDTH) / compute if compute else 0.0
+        return self.recompute_overhead + link
 
     def offload_seconds(self, bandwidth: float) -> float:
         """Seconds per step the offloaded bytes spend on the host link at ``bandwidth`` bytes
@@ -100,6 +113,12 @@ class PlanResult:
                 return s
         raise KeyError(f"no strategy {name!r}; have {[s.name for s in self.strategies]}")
 
+    def cheapest(self) -> StrategyPlan | None:
+        """The strategy with the least predicted step-time overhead (MemoryPrediction.overhead)
+        whose predicted peak at ``seq_len`` fits ``gpu_memory``; None when none fits."""
+        fit = [s for s in self.strategies if s.at_seq is not None and s.at_seq.peak <= self.gpu_memory]
+        return min(fit, key=lambda s: (s.at_seq.overhead, s.at_seq.peak), default=None)
+
     def table(self) -> str:
         gib = float(1 << 30)
         lines = [
@@ -137,6 +156,12 @@ class PlanResult:
             )
         lines.append("* over the budget. Longest S is searched over multiples of "
                      f"{self.seq_multiple}.")
+        best = self.cheapest()
+        lines.append(
+            f"cheapest that fits at S = {self.seq_len}: " + (
+                f"{best.name} (+{100 * best.at_seq.overhead:.0f}% predicted step time: "
+                f"recomputation, and offload's copies at {DEVICE_FLOPS / 1e12:.0f} TFLOP/s "
+                "if they did not overlap)" if best else "none"))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

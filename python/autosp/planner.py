@@ -124,9 +124,25 @@ OFFLOAD = "offload"
 EXTRAS = (TILED, TILED_MLP, OFFLOAD)  # in this order in a strategy's name
 
 
+def combinations(mode: str = "ulysses", remats: Sequence[str] = ("none", "default",
+                                                                 "sequence-aware")) -> list[str]:
+    """Every strategy of `mode` with `remats` and any of the tiled loss, the tiled MLP and
+    offload (offload with the solver's policies only), as strategy names for plan()."""
+    out = []
+    for remat in remats:
+        for mask in range(8):
+            extras = [e for k, e in enumerate(EXTRAS) if mask >> k & 1]
+            if OFFLOAD in extras and remat == "full":
+                continue
+            out.append("+".join([mode, remat, *extras]))
+    return out
+
+
 def _parse_strategies(strategies: Sequence[str] | None) -> list[Choice]:
     if strategies is None:
         return [Choice(mode, r) for mode in SP_MODES for r in REMAT_STRATEGIES] + list(DEFAULT_EXTRAS)
+    if list(strategies) == ["all"]:
+        strategies = [c for mode in SP_MODES for c in combinations(mode, REMAT_STRATEGIES)]
     out = []
     for s in strategies:
         parts = s.replace(" ", "").replace("tiledloss", TILED).replace("tiledmlp", TILED_MLP).split("+")
@@ -341,7 +357,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=None,
                    help="comma-separated, e.g. 'ulysses+none,ulysses+sequence-aware,"
                         "ulysses+full+tiled-loss' (+tiled-loss: autosp.compile(tile_loss=True); "
-                        "+tiled-mlp: tile_mlp=True; +offload: remat=Offload(...))")
+                        "+tiled-mlp: tile_mlp=True; +offload: remat=Offload(...)), or 'all' "
+                        "(every combination)")
     p.add_argument("--plot", default=None,
                    help="PNG to write (default: autosp-plan-<model>.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write a plot")

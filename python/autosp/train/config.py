@@ -71,8 +71,12 @@ class TrainingConfig:
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
     seed: int = _f(0, "model and data seed")
     backend: str = _f("inductor", "compiler backend of the SP graph", ("inductor", "aot_eager"))
-    remat: str = _f("sequence-aware", "activation rematerialisation policy",
-                    ("sequence-aware", "default", "none"))
+    remat: str = _f("sequence-aware", "activation rematerialisation policy; auto: autosp plan "
+                                      "picks remat, tile_loss, tile_mlp and offload, the "
+                                      "cheapest combination predicted to fit memory_gib",
+                    ("sequence-aware", "default", "none", "auto"))
+    memory_gib: float = _f(0.0, "with remat auto: the memory per rank to fit (0: the GPU's "
+                                "total memory; needed on CPU)")
     remat_budget_gib: float = _f(0.0, "cap the activations saved for backward at this many GiB "
                                       "per rank (autosp.remat.MemoryBudget; 0: the remat policy "
                                       "decides)")
@@ -149,6 +153,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "training.lr": (_POSITIVE, None), "training.warmup_steps": (0, None),
     "training.min_lr_ratio": (0, 1), "training.weight_decay": (0, None),
     "training.max_grad_norm": (0, None), "training.remat_budget_gib": (0, None),
+    "training.memory_gib": (0, None),
     "training.check_atol": (0, None),
     "parallel.nproc": (1, None), "parallel.sp": (0, None), "parallel.timeout_s": (_POSITIVE, None),
     "metrics.log_every": (1, None), "metrics.peak_tflops": (0, None),

@@ -31,7 +31,7 @@ from autosp.errors import AutospError
 from autosp.remat import MemoryBudget, Offload, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
                                   progress_line)
-from autosp.train.predict import predicted_peak
+from autosp.train.predict import choose_strategy, predicted_peak
 from autosp.train.model import build_model, check_attends_within_documents
 from autosp.train.schedule import warmup_cosine
 
@@ -129,6 +129,10 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     elif bf16:
         model = model.to(torch.bfloat16)
     flops_report = RematReport()  # the compiled graph's FLOPs, for MFU
+    if t.remat == "auto":  # every rank plans the same, and trains what it chose
+        chose = choose_strategy(cfg, world_size, sp_size, vocab, device)
+        if rank == 0:
+            print(chose, flush=True)
     remat = MemoryBudget(bytes=int(t.remat_budget_gib * (1 << 30))) if t.remat_budget_gib > 0 \
         else t.remat
     if t.offload:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
+from autosp.errors import AutospError
 from autosp.train.config import TrainConfig
 
 
@@ -46,3 +49,53 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
     return at.peak, (f"autosp plan: predicted peak {at.peak / gib:.3f} GiB per rank at S = "
                      f"{t.seq_len} ({result.strategies[0].name}, during {at.phase}; "
                      f"{time.perf_counter() - start:.1f} s to plan)")
+
+
+def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
+                    device: torch.device) -> str:
+    """With ``training.remat = "auto"``: sets remat, tile_loss, tile_mlp and offload of
+    ``cfg.training`` to the combination ``autosp plan`` predicts cheapest (least recomputation
+    and host-link time) among those whose peak at ``seq_len`` fits ``memory_gib`` (the GPU's
+    memory when 0); returns a line saying what it chose. AutospError when none fits or the
+    model is not one the planner models."""
+    import autosp
+    from autosp.planner import combinations
+
+    t = cfg.training
+    gib = float(1 << 30)
+    budget = int(t.memory_gib * gib)
+    if budget <= 0 and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory
+    if budget <= 0:
+        raise AutospError("[autosp:train] found training.remat = 'auto' with training.memory_gib "
+                          "= 0 on a CPU; expected the memory per rank to fit "
+                          "(--memory-gib), which only a GPU reports itself")
+    if t.remat_budget_gib > 0:
+        raise AutospError("[autosp:train] found training.remat = 'auto' with "
+                          "training.remat_budget_gib; expected one of them (auto picks the remat "
+                          "policy itself)")
+    start = time.perf_counter()
+    try:
+        result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,
+                             dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
+                             batch_size=t.batch_size, optimizer_sharding="none",
+                             fsdp=cfg.parallel.fsdp, seq_len=t.seq_len, gpu_memory=budget,
+                             strategies=combinations("ulysses"), seq_multiple=t.seq_len,
+                             max_seq=t.seq_len, curve_points=2)
+    except AutospError as e:
+        raise AutospError(f"[autosp:train] training.remat = 'auto' needs autosp plan's "
+                          f"prediction for this model, which failed: {e}") from None
+    best = result.cheapest()
+    if best is None:
+        low = min((s for s in result.strategies if s.at_seq is not None),
+                  key=lambda s: s.at_seq.peak)
+        raise AutospError(
+            f"[autosp:train] training.remat = 'auto': found no combination of remat, tiled "
+            f"loss, tiled MLP and offload predicted to fit {budget / gib:.2f} GiB per rank at "
+            f"S = {t.seq_len} (the lowest: {low.name}, {low.at_seq.peak / gib:.2f} GiB); "
+            "expected a shorter seq_len, more ranks in the SP group, or more memory")
+    t.remat, t.tile_loss, t.tile_mlp, t.offload = best.remat, best.tile_loss, best.tile_mlp, best.offload
+    return (f"autosp plan: remat auto chose {best.name}: predicted peak "
+            f"{best.at_seq.peak / gib:.3f} GiB of {budget / gib:.2f}, "
+            f"+{100 * best.at_seq.overhead:.0f}% predicted step time "
+            f"({time.perf_counter() - start:.1f} s to plan {len(result.strategies)} combinations)")
