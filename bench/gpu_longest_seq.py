@@ -1,8 +1,9 @@
-"""GPU benchmark: the longest trainable sequence for a Llama-3.2-1B-shaped model, per strategy,
-with MFU and the planner's prediction beside each measurement.
+"""GPU benchmark: the longest trainable sequence for a Llama-3.2-1B- or Llama-3.1-8B-shaped
+model, per strategy, with MFU and the planner's prediction beside each measurement.
 
     python bench/gpu_longest_seq.py --nproc 8            # one node of 8 GPUs
     python bench/gpu_longest_seq.py --nproc 1            # one GPU (Ulysses is then P = 1)
+    python bench/gpu_longest_seq.py --nproc 1 --model llama-3.1-8b   # ALST: 500K on one H100
     python bench/gpu_longest_seq.py --dry-run            # print the runs, start none (no GPU)
 
 What it measures (printed as a table, nothing asserted), through ``autosp train`` exactly as a
@@ -14,9 +15,10 @@ batch 1 per SP group, Inductor, ``--device cuda``), each run a fresh process gro
   (CUDA out of memory), then is bisected down to ``--granularity`` tokens between the last
   success and the first failure. Strategies: ``no-sp`` (sp 1: every rank holds the whole
   sequence; data parallel over the ranks; default remat) and ``ulysses`` (sp = nproc) with
-  remat ``none``, ``default``, ``sequence-aware`` and ``sequence-aware`` with activation
-  offload (``--offload``: the layers' hidden states in host memory between forward and
-  backward);
+  remat ``none``, ``default``, ``sequence-aware``, each with the tiled loss (autosp train's
+  default) and ``default`` / ``sequence-aware`` without it, and ``sequence-aware`` with the
+  tiled MLP (``--tile-mlp true``), activation offload (``--offload true``: the layers' hidden
+  states in host memory between forward and backward), and both;
 - for every run that trains: the measured peak allocated memory per rank (the largest rank,
   ``torch.cuda.max_memory_allocated``) beside ``autosp plan``'s prediction for that run
   (printed by ``autosp train`` at start), and its ratio;
@@ -38,21 +40,37 @@ import sys
 import tempfile
 from pathlib import Path
 
-LLAMA_3_2_1B = ["--hidden-size", "2048", "--intermediate-size", "8192", "--layers", "16",
-                "--heads", "32", "--kv-heads", "8", "--vocab-size", "128256"]
-STRATEGIES = [("no-sp", 1, "default"), ("ulysses", 0, "none"), ("ulysses", 0, "default"),
-              ("ulysses", 0, "sequence-aware"), ("ulysses", 0, "sequence-aware+offload")]
+SHAPES = {
+    "llama-3.2-1b": ["--hidden-size", "2048", "--intermediate-size", "8192", "--layers", "16",
+                     "--heads", "32", "--kv-heads", "8", "--vocab-size", "128256"],
+    "llama-3.1-8b": ["--hidden-size", "4096", "--intermediate-size", "14336", "--layers", "32",
+                     "--heads", "32", "--kv-heads", "8", "--vocab-size", "128256"],
+}
+# (mode, sp (0: --nproc), remat, extras): the tiled loss is autosp train's default, so
+# "untiled" turns it off; "tiled-mlp" and "offload" add those.
+STRATEGIES = [("no-sp", 1, "default", ()), ("ulysses", 0, "none", ()),
+              ("ulysses", 0, "default", ()), ("ulysses", 0, "default", ("untiled",)),
+              ("ulysses", 0, "sequence-aware", ("untiled",)), ("ulysses", 0, "sequence-aware", ()),
+              ("ulysses", 0, "sequence-aware", ("tiled-mlp",)),
+              ("ulysses", 0, "sequence-aware", ("offload",)),
+              ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload"))]
 MFU_AT = (32768, 131072)
 
 
 def run(args: argparse.Namespace, sp: int, remat: str, seq: int, out: Path) -> dict | None:
-    """One 3-step training run; its measurements, or None when it did not train (OOM)."""
+    """One 3-step training run; its measurements, or None when it did not train (OOM).
+    `remat`: the policy, then "+"-joined extras (untiled, tiled-mlp, offload)."""
+    policy, *extras = remat.split("+")
     cmd = [sys.executable, "-m", "autosp.cli", "train", "--nproc", str(args.nproc), "--sp", str(sp),
-           *LLAMA_3_2_1B, "--dtype", "bfloat16", "--seq-len", str(seq), "--batch-size", "1",
-           "--steps", "3", "--remat", remat.split("+")[0], "--backend", "inductor", "--device", "cuda",
+           *SHAPES[args.model], "--dtype", "bfloat16", "--seq-len", str(seq), "--batch-size", "1",
+           "--steps", "3", "--remat", policy, "--backend", "inductor", "--device", "cuda",
            "--out-dir", str(out), "--timeout-s", "900"]
-    if remat.endswith("+offload"):
-        cmd.append("--offload")
+    if "offload" in extras:
+        cmd += ["--offload", "true"]
+    if "tiled-mlp" in extras:
+        cmd += ["--tile-mlp", "true"]
+    if "untiled" in extras:
+        cmd += ["--tile-loss", "false"]
     if args.dry_run:
         print(" ".join(cmd))
         return None
@@ -97,6 +115,7 @@ def longest(args: argparse.Namespace, sp: int, remat: str, tmp: Path) -> tuple[i
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--start", type=int, default=8192)
     p.add_argument("--max-seq", type=int, default=1 << 21)
     p.add_argument("--granularity", type=int, default=4096)
@@ -106,8 +125,9 @@ def main() -> None:
     gib = float(1 << 30)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, sp, remat in STRATEGIES:
+        for mode, sp, policy, extras in STRATEGIES:
             sp = sp or args.nproc
+            remat = "+".join([policy, *extras])
             if args.dry_run:
                 run(args, sp, remat, args.start, Path(tmp) / "dry")
                 continue
@@ -115,7 +135,7 @@ def main() -> None:
             rows.append((f"{mode} sp={sp} + {remat}", best, measured))
     if args.dry_run:
         return
-    print(f"Llama-3.2-1B shape, bf16, {args.nproc} GPU(s), batch 1 per SP group")
+    print(f"{args.model} shape, bf16, {args.nproc} GPU(s), batch 1 per SP group")
     print(f"{'strategy':<32} {'longest S':>10} {'S':>8} {'measured GiB':>13} {'predicted GiB':>14} "
           f"{'pred/meas':>9} {'MFU':>6}")
     for name, best, measured in rows:
