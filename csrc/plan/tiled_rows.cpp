@@ -73,6 +73,17 @@ void PlanBuilder::tile_rows() {
   std::vector<Node> tiled;  // replacement node per root index (op empty: none)
   tiled.resize(out_.nodes.size());
 
+  // A node the chunks can replay as the user wrote it: an original op, one result, not
+  // rewritten by the plan, outside torch.autocast and torch.no_grad regions, no argument
+  // computed in the graph, no in-place write into it or its aliases.
+  auto replayable = [&](const Node& p) {
+    const size_t i = static_cast<size_t>(&p - out_.nodes.data());
+    if (claimed[i] || p.origin < 0 || p.outputs.size() != 1 || rewritten(p)) return false;
+    const Node& o = in_.nodes[static_cast<size_t>(p.origin)];
+    return !autocast[static_cast<size_t>(o.id)] && grad_on[static_cast<size_t>(o.id)] &&
+           !o.bool_attr("scalar_from_graph", false) && !writes_into_first_operand(o) &&
+           later_write_to_aliases(in_, o) == nullptr;
+  };
   for (size_t r = out_.nodes.size(); r-- > 0;) {
     const Node& root = out_.nodes[r];
     if (root.op != "linear" || root.origin < 0 || claimed[r] || root.outputs.size() != 1) continue;
@@ -95,18 +106,13 @@ void PlanBuilder::tile_rows() {
     };
     auto admissible = [&](int i) {
       const Node& p = out_.nodes[static_cast<size_t>(i)];
-      if (claimed[static_cast<size_t>(i)] || p.origin < 0 || p.outputs.size() != 1 || rewritten(p))
-        return false;
-      const Node& o = in_.nodes[static_cast<size_t>(p.origin)];
-      if (autocast[static_cast<size_t>(o.id)] || !grad_on[static_cast<size_t>(o.id)] ||
-          o.bool_attr("scalar_from_graph", false) || writes_into_first_operand(o) ||
-          later_write_to_aliases(in_, o) != nullptr)
-        return false;
+      if (!replayable(p)) return false;
       const Value& out = val(p.outputs[0]);
       if (!row_shaped(out) || !(placement(p.outputs[0]) == pl)) return false;
       if (p.op == "linear") return p.inputs.size() >= 2 && p.inputs[0] >= 0;
       return is_elementwise(p);
     };
+    if (!replayable(root)) continue;
     // Grow backwards through admissible producers of row operands.
     std::set<int> members{static_cast<int>(r)};
     std::vector<int> work{static_cast<int>(r)};

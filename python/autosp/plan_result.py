@@ -121,6 +121,7 @@ class PlanResult:
 
     def table(self) -> str:
         gib = float(1 << 30)
+        width = max([46] + [len(s.name) for s in self.strategies])
         lines = [
             f"autosp plan (prediction): {self.model}, {self.num_params / 1e9:.2f}B parameters, "
             f"{self.gpus} GPUs x {self.gpu_memory / gib:.0f} GiB, dtype {self.dtype}, "
@@ -131,7 +132,7 @@ class PlanResult:
             "state, saved activations, transient, communication; recomp: FLOPs computed again "
             "(remat, tiled loss) over the step's; host: GiB offloaded, moved to the host and back "
             f"each step ({HOST_BANDWIDTH / 1e9:.0f} GB/s: seconds on the link)",
-            f"{'strategy':<46} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
+            f"{'strategy':<{width}} {'mesh dp x sp':>12} {'longest S':>10} {'peak':>8} "
             f"{'params':>7} {'grads':>7} {'optim':>7} {'saved':>7} {'trans':>7} {'comm':>6} "
             f"{'recomp':>7} {'host':>13}  peak during",
         ]
@@ -152,7 +153,7 @@ class PlanResult:
                     f"  {b.phase} ({b.peak_node})"
                 )
             lines.append(
-                f"{s.name:<46} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
+                f"{s.name:<{width}} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
             )
         lines.append("* over the budget. Longest S is searched over multiples of "
                      f"{self.seq_multiple}.")

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from autosp import _core
 from autosp.canon import _arg
 from autosp.errors import AutospError
-from autosp.tiled_ops import Recipes, autograd_inside_op
+from autosp.tiled_ops import (Recipes, autocast_state, autograd_inside_op, replayed_autocast,
+                              stable_name)
 
 # recipe key -> f(h_rows [n, D], weight, bias or None, targets [n], reduction) -> loss
 _RECIPES = Recipes("loss recipe")
@@ -111,16 +112,19 @@ def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node)
         if isinstance(a, fx.Node):
             raise AssertionError(f"tiled loss: {ce.name} has an operand computed in the graph")
 
+    amp = autocast_state()  # the step's mixed precision, replayed inside the op
+
     def run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor,
             reduction: str) -> torch.Tensor:
-        x = F.linear(h, weight, bias)
-        for target, kind, args, kw, path in ops:
-            a, k = _with_operand(args, kw, path, x)
-            x = getattr(x, target)(*a[1:], **k) if kind == "call_method" else target(*a, **k)
-        return F.cross_entropy(x, t, **kwargs, reduction=reduction)
+        with replayed_autocast(amp):
+            x = F.linear(h, weight, bias)
+            for target, kind, args, kw, path in ops:
+                a, k = _with_operand(args, kw, path, x)
+                x = getattr(x, target)(*a[1:], **k) if kind == "call_method" else target(*a, **k)
+            return F.cross_entropy(x, t, **kwargs, reduction=reduction)
 
-    desc = repr(([(str(t), k, _describe(a), _describe(kw), p) for t, k, a, kw, p in ops],
-                 _describe(kwargs)))
+    desc = repr(([(stable_name(t), k, _describe(a), _describe(kw), p) for t, k, a, kw, p in ops],
+                 _describe(kwargs), amp))
     key = int(hashlib.sha1(desc.encode()).hexdigest()[:12], 16)
     _RECIPES.setdefault(key, run)
     return key

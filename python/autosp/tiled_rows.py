@@ -32,7 +32,8 @@ import torch.fx as fx
 
 from autosp import _core
 from autosp.errors import AutospError
-from autosp.tiled_ops import Recipes, autograd_inside_op
+from autosp.tiled_ops import (Recipes, autocast_state, autograd_inside_op, replayed_autocast,
+                              stable_name)
 
 # recipe key -> f(rows: list[Tensor] (chunks), wholes: list[Tensor]) -> Tensor
 _RECIPES = Recipes("row-wise block recipe")
@@ -100,7 +101,13 @@ def build_recipe(bridge: Any, cn: Any) -> int:
                 flops_per_row += (2 * int(weight.shape[0]) * int(weight.shape[1])
                                   * int(prod(between)))
 
+    amp = autocast_state()  # the step's mixed precision, replayed inside the op
+
     def run(rows: list[torch.Tensor], wholes: list[torch.Tensor]) -> torch.Tensor:
+        with replayed_autocast(amp):
+            return _replay(rows, wholes)
+
+    def _replay(rows: list[torch.Tensor], wholes: list[torch.Tensor]) -> torch.Tensor:
         operands = list(rows) + list(wholes)
         made: list[torch.Tensor] = []
         for target, kind, args, kwargs, subs in steps:
@@ -114,8 +121,11 @@ def build_recipe(bridge: Any, cn: Any) -> int:
             made.append(getattr(a[0], target)(*a[1:], **k) if kind == "call_method" else target(*a, **k))
         return made[-1]
 
-    desc = repr(([(str(t), k, _describe(a), _describe(kw), s) for t, k, a, kw, s in steps],
-                 int(cn.attrs["row_inputs"]), int(cn.attrs["row_dim"])))
+    # What the block computes, and the widths that set its chunks and FLOPs: equal keys, equal
+    # blocks (the same in every process, for the compile caches).
+    desc = repr(([(stable_name(t), k, _describe(a), _describe(kw), s) for t, k, a, kw, s in steps],
+                 int(cn.attrs["row_inputs"]), dim, int(cn.attrs["row_in_bytes"]),
+                 int(cn.attrs["row_inner_bytes"]), flops_per_row, amp))
     key = int(hashlib.sha1(desc.encode()).hexdigest()[:12], 16)
     _RECIPES.setdefault(key, run)
     _FACTS.setdefault(key, (int(cn.attrs["row_in_bytes"]), int(cn.attrs["row_inner_bytes"]),
