@@ -204,7 +204,8 @@ def test_tiling_lowers_the_measured_peak() -> None:
     assert measured[False].peak_bytes - measured[True].peak_bytes >= 3 * one
 
 
-@pytest.mark.parametrize("rows", [None, "256"], ids=["default-chunks", "256-row-chunks"])
+@pytest.mark.parametrize("rows", [None, pytest.param("256", marks=pytest.mark.slow)],
+                         ids=["default-chunks", "256-row-chunks"])
 def test_planner_predicts_the_tiled_peak(rows: str | None) -> None:
     """``autosp plan``'s memory model on the tiled MLP (its ops' workspace from
     autosp.tiled_rows.workspace) against a real step on rank 0 of 2 (fake process group,
