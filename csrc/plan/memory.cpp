@@ -90,11 +90,13 @@ int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {
   return (cfg.num_params * 4 + shards - 1) / shards;
 }
 
-TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t hidden,
+TiledLossWorkspace tiled_loss_workspace(TiledLossPass pass, int64_t classes, int64_t hidden,
                                         int64_t weight_itemsize, int64_t fixed_rows) {
-  const int64_t k = backward ? 12 : 8;
-  // The backward's fp32 accumulator of the weight's gradient, and one chunk's gradient.
-  const int64_t accumulator = backward ? classes * hidden * (4 + weight_itemsize) : 0;
+  const bool grads = pass != TiledLossPass::kForward;
+  const int64_t k = grads ? 12 : 8;
+  // One chunk's gradient of the weight, and (in the backward) its fp32 accumulator.
+  int64_t accumulator = grads ? classes * hidden * weight_itemsize : 0;
+  if (pass == TiledLossPass::kBackward) accumulator += classes * hidden * 4;
   if (fixed_rows > 0) return {k * classes, k * classes * fixed_rows, accumulator};
   return {k * hidden, 0, k * classes + accumulator};
 }

@@ -205,19 +205,24 @@ int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
 // for lm_head, .float() and the loss (tests/test_tiled_loss.py checks the prediction): the
 // forward holds 8 bytes (the chunk's logits and their log-softmax), the backward 12
 // (recomputed logits, log-softmax and their gradients) plus the weight's gradient twice (the
-// fp32 accumulator and one chunk's, `weight_itemsize` bytes per element). With chunks of
+// fp32 accumulator and one chunk's, `weight_itemsize` bytes per element). The forward that
+// also computes the gradients (kForwardWithGrads, the loss of a scalar reduction) holds the
+// backward's 12 bytes and one chunk's weight gradient; its fp32 accumulator is one of the
+// op's outputs (saved for the backward), so not scratch. With chunks of
 // ceil(rows * hidden / classes) rows (`fixed_rows` 0) that is k * hidden bytes per row of h
 // plus at most one row of logits for the rounding; with a fixed number of rows per chunk,
 // k * classes per row up to one chunk.
 //   forward, classes 1000, hidden 10, auto rows: {80, 0, 8000}
 //   backward, classes 1000, hidden 10, itemsize 4, 16 rows: {12000, 192000, 80000}
+//   forward with grads, classes 1000, hidden 10, itemsize 2, auto rows: {120, 0, 32000}
+enum class TiledLossPass { kForward, kBackward, kForwardWithGrads };
 struct TiledLossWorkspace {
   int64_t per_row = 0;
   int64_t cap = 0;
   int64_t constant = 0;
   bool operator==(const TiledLossWorkspace&) const = default;
 };
-TiledLossWorkspace tiled_loss_workspace(bool backward, int64_t classes, int64_t hidden,
+TiledLossWorkspace tiled_loss_workspace(TiledLossPass pass, int64_t classes, int64_t hidden,
                                         int64_t weight_itemsize, int64_t fixed_rows);
 
 // Rows per chunk of a tiled row-wise block (SpConfig::tile_mlp, python/autosp/tiled_rows.py)

@@ -992,7 +992,14 @@ class TiledLossWorkspace:
     @property
     def constant(self) -> int: ...
 
-def tiled_loss_workspace(backward: bool, classes: int, hidden: int, weight_itemsize: int, fixed_rows: int) -> TiledLossWorkspace:
+class TiledLossPass(enum.Enum):
+    FORWARD = 0
+
+    BACKWARD = 1
+
+    FORWARD_WITH_GRADS = 2
+
+def tiled_loss_workspace(pass_: TiledLossPass, classes: int, hidden: int, weight_itemsize: int, fixed_rows: int) -> TiledLossWorkspace:
     """
     Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see csrc/plan/memory.h).
     """

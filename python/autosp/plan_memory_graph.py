@@ -257,7 +257,7 @@ def _memory_graph(
             work = tiled_loss.workspace(n)
             if work is not None:
                 per_row, cap, constant = work
-                h = n.args[1 if n.target is torch.ops.autosp.tiled_head_loss_backward.default else 0]
+                h = tiled_loss.h_node(n)
                 rows = math.prod(_canonical(d, shape_env) for d in h.meta["val"].shape[:-1])
                 terms = list(m.scratch_bytes.terms)
                 for t in _to_seq_bytes(rows * per_row, seq).terms:

@@ -6,16 +6,23 @@ vocabulary that is 64 GiB in fp32, more than all the layers' activations togethe
 cross-entropy whose logits come from a linear (the lm_head) through row-wise ops only (casts
 such as ``.float()``, pointwise ops with constant operands such as soft-capping, reshapes that
 keep the class dim) and that nothing else reads. This module replays that chain on chunks of
-rows (``autosp::tiled_head_loss``):
+rows; the ops are autosp.tiled_loss_ops':
 
-- forward: for each chunk of rows, its logits, the chain's ops and the loss (reduction "sum"
-  or "none"); a rank holds one chunk's logits at a time and saves only the linear's operands;
-- backward: each chunk's forward is recomputed and back-propagated: the gradient of the
-  hidden states row by row, the weight's and bias's summed over chunks in fp32.
+- a scalar loss ("sum" or "mean") that needs gradients: for each chunk of rows, its logits,
+  the chain's ops, the loss, and at once its back-propagation
+  (``autosp::tiled_head_loss_with_grads``); the backward scales those gradients by the loss's.
+  Nothing is recomputed. ``AUTOSP_LOSS_RECOMPUTE=1`` selects the recomputing form below
+  instead (it saves h rather than the gradients of h and of the weight);
+- reduction "none", or a loss without gradients: the forward computes each chunk's loss and
+  saves only the linear's operands (``autosp::tiled_head_loss``); the backward recomputes
+  each chunk's forward and back-propagates it.
+
+A rank holds one chunk's logits at a time; the weight's and bias's gradients are summed over
+chunks in fp32.
 
 Exactness: each row's loss is the computation one device does for that row (the same
 matmul row, casts, ops and loss), so the sum differs from the untiled one only by the order
-of its additions. The cost: the projection's forward runs twice.
+of its additions.
 
 Chunk size (:func:`chunk_rows`): ``AUTOSP_LOSS_TILE_ROWS`` if set, else chunks whose logits
 hold as many elements as the hidden states they come from.
@@ -24,6 +31,7 @@ hold as many elements as the hidden states they come from.
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 from typing import Any
 
@@ -73,18 +81,34 @@ def _chunks(rows: int, classes: int, hidden: int) -> list[tuple[int, int]]:
     return [(s, min(rows, s + t)) for s in range(0, rows, t)]
 
 
+_PASSES = {"tiled_head_loss": "FORWARD", "tiled_head_loss_backward": "BACKWARD",
+           "tiled_head_loss_with_grads": "FORWARD_WITH_GRADS"}
+
+
 def workspace(node: fx.Node) -> tuple[int, int, int] | None:
     """What a tiled loss op of a joint graph allocates and frees while it runs, for ``autosp
     plan``'s memory model, as ``(bytes per row of h, cap, constant)``: the workspace is
     ``min(bytes per row * rows, cap) + constant`` (no cap when 0); None for any other node.
     The estimate is the core's (``_core.tiled_loss_workspace``, csrc/plan/memory.h)."""
-    forward = node.target is torch.ops.autosp.tiled_head_loss.default
-    if not forward and node.target is not torch.ops.autosp.tiled_head_loss_backward.default:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "autosp" \
+            or target._opname not in _PASSES:
         return None
-    weight = node.args[1 if forward else 2].meta["val"]
-    w = _core.tiled_loss_workspace(not forward, int(weight.shape[0]), int(weight.shape[1]),
+    weight = weight_node(node).meta["val"]
+    w = _core.tiled_loss_workspace(getattr(_core.TiledLossPass, _PASSES[target._opname]),
+                                   int(weight.shape[0]), int(weight.shape[1]),
                                    weight.dtype.itemsize, env_rows() or 0)
     return w.per_row, w.cap, w.constant
+
+
+def h_node(node: fx.Node) -> fx.Node:
+    """The hidden states operand of a tiled loss op (the backward's first operand is the
+    loss's gradient)."""
+    return node.args[1 if node.target is torch.ops.autosp.tiled_head_loss_backward.default else 0]
+
+
+def weight_node(node: fx.Node) -> fx.Node:
+    return node.args[2 if node.target is torch.ops.autosp.tiled_head_loss_backward.default else 1]
 
 
 def build_recipe(bridge: Any, chain: list[int], regroup: list[int], ce: fx.Node) -> int:
@@ -164,120 +188,39 @@ def _reduce(parts: list[torch.Tensor], t: torch.Tensor, reduction: str, ignore: 
     return total / (t != ignore).sum() if reduction == "mean" else total
 
 
-@torch.library.custom_op("autosp::tiled_head_loss", mutates_args=())
-def tiled_head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    target: torch.Tensor, recipe: int, reduction: str, ignore_index: int,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    """The loss of ``recipe`` over all rows of ``h`` ([..., D], the targets [...]), a chunk of
-    rows at a time. ``reduction``: "sum", "mean" (over the targets not equal to
-    ``ignore_index``, as F.cross_entropy) or "none" (one loss per row)."""
-    h2, t = _rows(h, target)
-    run = _RECIPES[recipe]
-    each = "none" if reduction == "none" else "sum"
-    parts = [run(h2[s:e], weight, bias, t[s:e], each)
-             for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1])]
-    return _reduce(parts, t, reduction, ignore_index, h2.new_zeros((), dtype=out_dtype)).to(out_dtype)
-
-
-@tiled_head_loss.register_fake
-def _(h, weight, bias, target, recipe, reduction, ignore_index, out_dtype):
-    return h.new_empty((target.numel(),) if reduction == "none" else (), dtype=out_dtype)
-
-
-@torch.library.custom_op("autosp::tiled_head_loss_backward", mutates_args=())
-def tiled_head_loss_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None, target: torch.Tensor, recipe: int,
-                             reduction: str, ignore_index: int
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of h, weight and bias (an empty tensor without one): each chunk's forward
-    recomputed and back-propagated; the weight's and bias's summed over chunks in fp32, as one
-    matmul's backward accumulates them."""
-    h2, t = _rows(h, target)
-    run = _RECIPES[recipe]
-    dh = torch.empty_like(h2)
-    acc = torch.promote_types(weight.dtype, torch.float32)
-    dw = torch.zeros_like(weight, dtype=acc)
-    db = torch.zeros_like(bias, dtype=acc) if bias is not None else weight.new_zeros((0,))
-    g = grad
-    if reduction == "mean":
-        g = grad / (t != ignore_index).sum()
-    with autograd_inside_op(), torch.enable_grad():
-        w = weight.detach().requires_grad_()
-        b = bias.detach().requires_grad_() if bias is not None else None
-        for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1]):
-            hc = h2[s:e].detach().requires_grad_()
-            loss = run(hc, w, b, t[s:e], "none" if reduction == "none" else "sum")
-            wrt = (hc, w) if b is None else (hc, w, b)
-            grads = torch.autograd.grad(loss, wrt, g[s:e] if reduction == "none" else g,
-                                        allow_unused=True)
-            dh[s:e] = grads[0] if grads[0] is not None else 0
-            if grads[1] is not None:
-                dw += grads[1]
-            if b is not None and grads[2] is not None:
-                db += grads[2]
-    return dh.reshape(h.shape), dw.to(weight.dtype), db.to(weight.dtype if bias is None else bias.dtype)
-
-
-@tiled_head_loss_backward.register_fake
-def _(grad, h, weight, bias, target, recipe, reduction, ignore_index):
-    db = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
-    return torch.empty_like(h), torch.empty_like(weight), db
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    h, weight, bias, target, recipe, reduction, ignore, _ = inputs
-    # The targets are saved as a copy: a batch tensor the caller refills between forward and
-    # backward must not change the loss the backward recomputes.
-    ctx.save_for_backward(h, weight, bias, target.clone())
-    ctx.recipe, ctx.reduction, ctx.ignore = recipe, reduction, ignore
-
-
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    h, weight, bias, target = ctx.saved_tensors
-    dh, dw, db = tiled_head_loss_backward(grad, h, weight, bias, target, ctx.recipe,
-                                          ctx.reduction, ctx.ignore)
-    return dh, dw, (db if bias is not None else None), None, None, None, None, None
-
-
-tiled_head_loss.register_autograd(_backward, setup_context=_setup_context)
-
-
 def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node | None],
          reduction: str) -> fx.Node:
     """The tiled loss standing for the cross-entropy node ``fxn`` (plan node ``cn``: inputs
-    -1, targets, h, weight, bias)."""
+    -1, targets, h, weight, bias). A scalar loss that needs gradients computes them in its
+    forward (``autosp::tiled_head_loss_with_grads``: nothing recomputed); reduction "none",
+    or a loss without gradients (an evaluation step), recomputes in the backward."""
     env_rows()  # a bad AUTOSP_LOSS_TILE_ROWS stops the compile, not the first step
     key = build_recipe(bridge, list(cn.attrs["head_chain"]), list(cn.attrs["head_regroup"]), fxn)
     out = fxn.meta["example_value"]
     _, target, h, weight, bias = ins
-    return graph.call_function(torch.ops.autosp.tiled_head_loss.default,
-                               (h, weight, bias, target, key, reduction,
-                                int(cn.attrs["ignore_index"]), out.dtype))
+    args = (h, weight, bias, target, key, reduction, int(cn.attrs["ignore_index"]), out.dtype)
+    if reduction == "none" or not _requires_grad(fxn) or os.environ.get(
+            "AUTOSP_LOSS_RECOMPUTE", "").strip() == "1":
+        return graph.call_function(torch.ops.autosp.tiled_head_loss.default, args)
+    wants = (_requires_grad(h), _requires_grad(weight), bias is not None and _requires_grad(bias))
+    fused = graph.call_function(torch.ops.autosp.tiled_head_loss_with_grads.default, args + wants)
+    return graph.call_function(operator.getitem, (fused, 0))
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    """Whether the value of a node of the step's graph needs a gradient, as Dynamo traced it
+    (True where the graph does not say)."""
+    ex = node.meta.get("example_value")
+    return bool(ex.requires_grad) if isinstance(ex, torch.Tensor) else True
 
 
 def recomputed_share(node: fx.Node) -> float:
-    """Of a node's model FLOPs (the formulas below), the share it computes again inside: the
-    backward recomputes each chunk's logits (2 of its 4 * rows * hidden * classes); 0 for any
-    other node. ``autosp plan`` counts it as recomputation (MemoryNode.inner_recompute_flops)."""
+    """Of a node's model FLOPs (autosp.tiled_loss_ops' formulas), the share it computes again
+    inside: the recomputing backward recomputes each chunk's logits (2 of its
+    4 * rows * hidden * classes); 0 for any other node (the forward that computes the
+    gradients recomputes nothing). ``autosp plan`` counts it as recomputation
+    (MemoryNode.inner_recompute_flops)."""
     return 0.5 if node.target is torch.ops.autosp.tiled_head_loss_backward.default else 0.0
 
 
-def _register_flops() -> None:
-    """Model FLOPs of the tiled ops (torch.utils.flop_counter, read by autosp's remat facts and
-    the trainer's MFU): the projection's 2 * rows * hidden * classes forward, and its backward's
-    4 * rows * hidden * classes (the gradients of h and of the weight). The backward's
-    recomputation of each chunk's logits is not model work, as remat's is not."""
-    from math import prod
-
-    from torch.utils.flop_counter import register_flop_formula
-
-    @register_flop_formula(torch.ops.autosp.tiled_head_loss)
-    def _forward(h_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
-        return 2 * prod(h_shape) * w_shape[0]
-
-    @register_flop_formula(torch.ops.autosp.tiled_head_loss_backward)
-    def _backward(grad_shape: Any, h_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
-        return 4 * prod(h_shape) * w_shape[0]
-
-
-_register_flops()
+from autosp import tiled_loss_ops  # noqa: E402,F401  (registers the ops; it imports this module)

@@ -162,7 +162,11 @@ void init_memory(nb::module_& m) {
       .def_ro("per_row", &TiledLossWorkspace::per_row)
       .def_ro("cap", &TiledLossWorkspace::cap)
       .def_ro("constant", &TiledLossWorkspace::constant);
-  m.def("tiled_loss_workspace", &tiled_loss_workspace, "backward"_a, "classes"_a, "hidden"_a,
+  nb::enum_<TiledLossPass>(m, "TiledLossPass")
+      .value("FORWARD", TiledLossPass::kForward)
+      .value("BACKWARD", TiledLossPass::kBackward)
+      .value("FORWARD_WITH_GRADS", TiledLossPass::kForwardWithGrads);
+  m.def("tiled_loss_workspace", &tiled_loss_workspace, "pass_"_a, "classes"_a, "hidden"_a,
         "weight_itemsize"_a, "fixed_rows"_a,
         "Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see "
         "csrc/plan/memory.h).");

@@ -382,13 +382,17 @@ TEST(MemoryOffload, LayerOutputsLeaveTheDeviceBetweenForwardAndBackward) {
 
 TEST(MemoryTiledLoss, WorkspaceOfTheTiledLossOp) {
   // Chunks of ceil(rows * hidden / classes) rows: k * hidden per row of h, and one row of logits.
-  EXPECT_EQ(tiled_loss_workspace(false, 1000, 10, 4, 0), (TiledLossWorkspace{80, 0, 8000}));
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForward, 1000, 10, 4, 0), (TiledLossWorkspace{80, 0, 8000}));
   // The backward adds the weight gradient's fp32 accumulator and one chunk's (bf16: 2 bytes).
-  EXPECT_EQ(tiled_loss_workspace(true, 1000, 10, 2, 0),
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 2, 0),
             (TiledLossWorkspace{120, 0, 12000 + 1000 * 10 * 6}));
   // A fixed number of rows per chunk: k * classes per row, capped at one chunk.
-  EXPECT_EQ(tiled_loss_workspace(true, 1000, 10, 4, 16),
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 4, 16),
             (TiledLossWorkspace{12000, 192000, 80000}));
+  // The forward that computes the gradients holds the backward's 12 bytes per element and one
+  // chunk's weight gradient; its fp32 accumulator is an output of the op, not scratch.
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForwardWithGrads, 1000, 10, 2, 0),
+            (TiledLossWorkspace{120, 0, 12000 + 1000 * 10 * 2}));
 }
 
 TEST(MemoryTrainability, LongestMultipleUnderBudget) {
