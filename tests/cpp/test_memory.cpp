@@ -382,7 +382,8 @@ TEST(MemoryOffload, LayerOutputsLeaveTheDeviceBetweenForwardAndBackward) {
 
 TEST(MemoryTiledLoss, WorkspaceOfTheTiledLossOp) {
   // Chunks of ceil(rows * hidden / classes) rows: k * hidden per row of h, and one row of logits.
-  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForward, 1000, 10, 4, 0), (TiledLossWorkspace{80, 0, 8000}));
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForward, 1000, 10, 4, 0),
+            (TiledLossWorkspace{80, 0, 8000}));
   // The backward adds the weight gradient's fp32 accumulator and one chunk's (bf16: 2 bytes).
   EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 2, 0),
             (TiledLossWorkspace{120, 0, 12000 + 1000 * 10 * 6}));
