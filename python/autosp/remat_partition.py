@@ -13,6 +13,7 @@ import torch.fx as fx
 from autosp import _core
 from autosp.errors import AutospError
 from autosp.remat_facts import _partitioners, gather_facts
+from autosp.remat_graphs import reorder_like_autograd
 from autosp.remat_policy import (DEFAULT_RECOMPUTE_FLOPS_RATIO, GraphRematReport, LayerRemat, NodeRemat,
                                  RematPolicy, RematReport, _core_options, _policy_name)
 
@@ -39,17 +40,43 @@ def _partition(
     options: Any,
     report: RematReport | None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    from torch._dynamo import config as dynamo_config
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    # As Dynamo and Inductor run AOTAutograd (and so PyTorch's partitioner): the modules built
+    # here generate their Python code when it is first needed, not at every step.
+    with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+        return _partition_graphs(
+            joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices, policy=policy,
+            options=options, report=report,
+        )
+
+
+def _partition_graphs(
+    joint_module: fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None,
+    policy: RematPolicy,
+    options: Any,
+    report: RematReport | None,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     partitioners = _partitioners()
     from torch._functorch import config as functorch_config
     from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
+    from torch.fx._lazy_graph_module import _make_graph_module
     from torch.fx.experimental.proxy_tensor import is_sym_node
 
     # The same preparation as min_cut_rematerialization_partition, so the flow network is built
-    # on the same graph PyTorch's partitioner would see.
-    joint_module.graph.eliminate_dead_code()
-    joint_module.recompile()
+    # on the same graph PyTorch's partitioner would see. The joint module's code is regenerated
+    # only where its graph changed; the CSE'd graph gets a module of its own (lazy: its code is
+    # never run), not the joint's.
+    if joint_module.graph.eliminate_dead_code():
+        joint_module.recompile()
     if functorch_config.cse:
-        joint_module.graph = fx_graph_cse(joint_module.graph)
+        joint_module = _make_graph_module(joint_module, fx_graph_cse(joint_module.graph))
     joint_graph = joint_module.graph
 
     has_recompute_tags = partitioners.has_recomputable_ops(joint_module)
@@ -118,7 +145,7 @@ def _partition(
         fw_module, bw_module = partitioners.functionalize_rng_ops(
             joint_module, fw_module, bw_module, len(saved_sym_nodes)
         )
-    bw_module = partitioners.reordering_to_mimic_autograd_engine(bw_module)
+    bw_module = reorder_like_autograd(bw_module)
     offload_copies, offloaded_bytes = 0, 0
     if solution.offloaded:
         chosen = {nodes[i].name: facts[i].bytes for i in solution.offloaded}
