@@ -186,14 +186,21 @@ def layer_of_path(path: str) -> str:
     return parts[0] if parts else ""
 
 
-def _layer_of(node: fx.Node) -> str:
-    """layer_of_path of the node's module (its nn_module_stack), or "" without one."""
+def _layer_of(node: fx.Node, cache: dict[str, str] | None = None) -> str:
+    """layer_of_path of the node's module (its nn_module_stack), or "" without one; ``cache``
+    keeps the answer per module path."""
     from autosp.bridge import dotted_path
 
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    return layer_of_path(dotted_path(str(list(stack.values())[-1][0])))
+    path = str(next(reversed(stack.values()))[0])
+    if cache is None:
+        return layer_of_path(dotted_path(path))
+    layer = cache.get(path)
+    if layer is None:
+        layer = cache[path] = layer_of_path(dotted_path(path))
+    return layer
 
 
 _SHARD_PREP = ("convert_element_type", "_to_copy", "view", "clone", "contiguous", "constant_pad_nd")
@@ -240,36 +247,54 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
     index = {n: i for i, n in enumerate(nodes)}
     params_free = bool(getattr(functorch_config, "treat_parameters_as_free_to_save", True))
     aten_cat = torch.ops.aten.cat
+    # Plain sets: membership in PyTorch's OrderedSets is a Python call per test.
+    required_fw = set(node_info.required_fw_nodes)
+    required_bw = set(node_info.required_bw_nodes)
+    tangents_closure = set(node_info.tangents_closure)
+    static_lifetime = set(node_info.static_lifetime_input_nodes) if params_free else set()
+    must_save_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+
+    # What depends on the op alone (its kind, name, fusibility) is worked out once per op.
+    by_op: dict[Any, tuple[Any, str, bool, bool]] = {}
+    per_node = []
+    for node in nodes:
+        key = (node.op, node.target)
+        try:
+            op = by_op.get(key)
+        except TypeError:  # an unhashable target
+            key, op = None, None
+        if op is None:
+            op = (_classify(node, op_types), _op_name(node), op_types.is_fusible(node),
+                  get_aten_target(node) == aten_cat)
+            if key is not None:
+                by_op[key] = op
+        per_node.append(op)
+    layers: dict[str, str] = {}
 
     facts = []
-    for node in nodes:
+    for i, node in enumerate(nodes):
+        kind, name, fusible, _ = per_node[i]
         f = _core.RematNode()
-        kind = _classify(node, op_types)
-        name = _op_name(node)
         f.name = node.name
         f.target = name
-        f.layer = _layer_of(node)
+        f.layer = _layer_of(node, layers)
         f.kind = kind
         f.save_cost = _save_cost(node)
         f.bytes = _node_bytes(node)
         f.flops = node_flops(node, kind, name)
-        f.required_fw = node_info.is_required_fw(node)
-        f.required_bw = node in node_info.required_bw_nodes
-        f.tangents_closure = node in node_info.tangents_closure
+        f.required_fw = node in required_fw
+        f.required_bw = node in required_bw
+        f.tangents_closure = node in tangents_closure
         f.primal_input = _is_primal(node) or _is_fwd_seed_offset(node)
-        f.static_lifetime = params_free and node in node_info.static_lifetime_input_nodes
-        recompute = node.meta.get("recompute")
-        f.must_save = recompute == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        f.static_lifetime = node in static_lifetime
+        f.must_save = node.meta.get("recompute") == must_save_policy
         f.must_recompute = partitioners.must_recompute(node)
         f.parameter_collective = is_parameter_collective(node)
-        f.fusible = op_types.is_fusible(node)
+        f.fusible = fusible
         f.getitem = node.op == "call_function" and node.target is operator.getitem
-        users = sorted((index[u] for u in node.users if u in index), key=int)
+        users = sorted(index[u] for u in node.users if u in index)
         f.users = users
-        f.fusible_user = [
-            int(get_aten_target(nodes[u]) == aten_cat or (f.fusible and op_types.is_fusible(nodes[u])))
-            for u in users
-        ]
+        f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]
         f.args = [index[a] for a in node.args if isinstance(a, fx.Node)]
         facts.append(f)
     return nodes, facts
