@@ -244,6 +244,42 @@ def test_default_matches_pytorch_partitioner_bytes() -> None:
     assert ours == theirs
 
 
+def test_backward_reorder_matches_pytorch(monkeypatch) -> None:
+    """The partition function reorders the backward in place (autosp.remat_graphs); its graphs
+    are those PyTorch's reordering_to_mimic_autograd_engine (a copy) gives: same code, names,
+    and namespace (so nodes added later get the same names)."""
+    import autosp.remat_partition as remat_partition
+    from torch._functorch.partitioners import reordering_to_mimic_autograd_engine
+
+    captured = {}
+
+    def capture(joint, joint_inputs, **kwargs):
+        captured.update(joint=joint, inputs=joint_inputs, kwargs=kwargs)
+        return remat.make_partition_fn("default")(joint, joint_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    model = _model()
+    ids, labels = _batch()
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=capture)
+    torch.compile(model, backend=backend, fullgraph=True)(ids, labels).backward()
+
+    def partition(policy):
+        joint = captured["joint"]
+        fw, bw = remat.make_partition_fn(policy)(
+            fx.GraphModule(joint, joint.graph.__deepcopy__()), captured["inputs"],
+            **captured["kwargs"])
+        namespace = bw.graph._graph_namespace
+        return (fw.code, bw.code, [n.name for n in bw.graph.nodes],
+                sorted(namespace._used_names), namespace._base_count)
+
+    for policy in ("default", "sequence-aware", "none"):
+        ours = partition(policy)
+        with monkeypatch.context() as m:
+            m.setattr(remat_partition, "reorder_like_autograd", reordering_to_mimic_autograd_engine)
+            theirs = partition(policy)
+        assert ours == theirs, policy
+
+
 def test_dynamic_sequence_length_uses_hints() -> None:
     """With a symbolic S the solver sees sizes at the actual S (the hint), without guards."""
     ids, labels = _batch()
