@@ -117,15 +117,31 @@ def bench_solver(num_layers: int, seq: int, repeat: int) -> None:
         # Partitioners mutate the joint graph (DCE, CSE, tags): give each a copy.
         return fx.GraphModule(joint, joint.graph.__deepcopy__())
 
-    # End-to-end partition functions.
-    with NetworkxTimer() as nx_timer:
-        t_torch_e2e, _ = _best_of(
-            lambda: min_cut_rematerialization_partition(fresh(), joint_inputs, **kwargs), repeat
-        )
-    graph, t_nx, nx_value = min(nx_timer.calls, key=lambda c: c[1])
+    def partition_seconds(partition_fn: Callable) -> float:
+        # The copy is made outside the timed region. Dynamo and Inductor run AOTAutograd, and
+        # so the partitioner, with lazily compiled graph modules (torch._dynamo.config.
+        # use_lazy_graph_module): both partitioners are timed under that setting, as compiled.
+        from torch._dynamo import config as dynamo_config
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+        best = math.inf
+        for _ in range(repeat):
+            joint_copy = fresh()
+            with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+                start = time.perf_counter()
+                partition_fn(joint_copy, joint_inputs, **kwargs)
+                best = min(best, time.perf_counter() - start)
+        return best
+
+    # End-to-end partition functions, alternated so that load from other processes hits both.
     report = remat.RematReport()
     ours = remat.make_partition_fn("default", report=report)
-    t_ours_e2e, _ = _best_of(lambda: ours(fresh(), joint_inputs, **kwargs), repeat)
+    t_torch_e2e, t_ours_e2e = math.inf, math.inf
+    with NetworkxTimer() as nx_timer:
+        for _ in range(2):
+            t_torch_e2e = min(t_torch_e2e, partition_seconds(min_cut_rematerialization_partition))
+            t_ours_e2e = min(t_ours_e2e, partition_seconds(ours))
+    graph, t_nx, nx_value = min(nx_timer.calls, key=lambda c: c[1])
 
     # The max-flow alone, on PyTorch's own network.
     n, edges, source, sink = _edges_of(graph)
@@ -177,7 +193,9 @@ def bench_solver(num_layers: int, seq: int, repeat: int) -> None:
     print(f"  + network + max-flow)          autosp fact gathering in Python: "
           f"{t_facts * 1e3:.2f} ms")
     print(f"end-to-end partition function   torch    {t_torch_e2e * 1e3:9.2f} ms   autosp     "
-          f"{t_ours_e2e * 1e3:7.2f} ms   speedup {t_torch_e2e / t_ours_e2e:7.1f}x")
+          f"{t_ours_e2e * 1e3:7.2f} ms   speedup {t_torch_e2e / t_ours_e2e:7.1f}x   "
+          f"(ratio autosp/torch {t_ours_e2e / t_torch_e2e:.3f}; policy 'default', best of "
+          f"{2 * repeat}, alternated)")
     print()
 
 
