@@ -319,3 +319,44 @@ def test_bad_chunk_setting_and_a_computed_ignore_index_are_clear_errors() -> Non
     assert "found AUTOSP_LOSS_TILE_ROWS='0'; expected a positive integer" in found[1]
     assert "[autosp:ulysses] op 'cross_entropy'" in found[2]
     assert "found an ignore_index computed in the graph" in found[2]
+
+
+def _all_ignored_worker(rank: int, world: int) -> list[tuple[str, bool, float, float]]:
+    import autosp
+
+    os.environ["AUTOSP_LOSS_TILE_ROWS"] = TILE_ROWS
+    mesh = autosp.init_mesh(world)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 16)
+            self.fc = torch.nn.Linear(16, 16)
+            self.lm_head = torch.nn.Linear(16, 50)
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logits = self.lm_head(torch.tanh(self.fc(self.embed(ids))))
+            return torch.nn.functional.cross_entropy(logits.view(-1, 50), labels.view(-1))
+
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model)
+    compiled = autosp.compile(model, mesh=mesh, remat="none", backend="aot_eager", tile_loss=True)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    # A batch with targets, then one whose targets are all ignored, accumulated.
+    for labels in (ids.roll(1, 1), torch.full_like(ids, -100)):
+        compiled(ids, labels).backward()
+        ref(ids, labels).backward()
+    return [(n, bool(p.grad.isfinite().all()), float((p.grad - q.grad).abs().max()),
+             float(q.grad.abs().max()))
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]
+
+
+def test_a_mean_over_no_valid_target_gives_the_eager_gradients() -> None:
+    """A breaker's finding: a mean loss whose targets are all ignored is nan, and the untiled
+    backward gives zero gradients (it never multiplies the ignored rows by the inf gradient of
+    the mean). The gradients computed in the forward once were scaled by that inf: nan in every
+    parameter, through the whole model, and into a gradient accumulated over micro-batches."""
+    for name, finite, diff, scale in run_ranks(1, _all_ignored_worker)[0]:
+        assert finite, name
+        assert diff <= 1e-4 * max(scale, 1e-6), (name, diff, scale)

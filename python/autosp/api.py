@@ -413,9 +413,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
 
     ``tile_loss``: compute a cross-entropy over a projection to the vocabulary (``lm_head``,
     then casts, pointwise ops with constant operands and reshapes that keep the vocabulary dim)
-    a chunk of tokens at a time, recomputing each chunk's logits in backward, so that this
-    rank's ``[tokens, vocab]`` logits never exist whole (autosp.tiled_loss). Exact up to the
-    order of the sum over tokens; costs a second forward of the projection. A loss whose
+    a chunk of tokens at a time, so that this rank's ``[tokens, vocab]`` logits never exist
+    whole (autosp.tiled_loss). A mean or sum loss back-propagates each chunk in the forward and
+    keeps the gradients of the hidden states and the weight (fp32) for the backward: nothing is
+    recomputed. A loss per token (reduction "none") recomputes each chunk's logits in the
+    backward. Exact up to the order of the sum over tokens. A loss whose
     logits are also returned or read elsewhere is left as written;
     ``SequenceParallelModule.loss_tiling`` says, per loss, whether it was tiled and why not.
 

@@ -172,20 +172,27 @@ def _(h, weight, bias, target, recipe, reduction, ignore_index, out_dtype, grad_
 
 
 def _setup_with_grads(ctx: Any, inputs: tuple, output: tuple) -> None:
-    h, weight, bias = inputs[:3]
+    h, weight, bias, target = inputs[:4]
     ctx.wants = inputs[8:11]
     ctx.dtypes = (h.dtype, weight.dtype, bias.dtype if bias is not None else None)
-    ctx.save_for_backward(*output[1:])
+    # Which rows have a target that is not ignored: their gradients are scaled by the loss's
+    # gradient; an ignored row's stay 0, as in the untiled backward (which never multiplies
+    # them), also when that gradient is inf: a mean over no valid target divides by 0.
+    valid = target.reshape(h.shape[:-1]) != inputs[6]
+    ctx.save_for_backward(*output[1:], valid)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward_with_grads(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple:
-    dh, dw, db = ctx.saved_tensors
+    dh, dw, db, valid = ctx.saved_tensors
     want_h, want_w, want_b = ctx.wants
     h_dtype, w_dtype, b_dtype = ctx.dtypes
-    return ((dh * grad).to(h_dtype) if want_h else None,
-            (dw * grad).to(w_dtype) if want_w else None,
-            (db * grad).to(b_dtype) if want_b and b_dtype is not None else None,
+    zero = grad.new_zeros(())
+    rows = torch.where(valid, grad, zero).unsqueeze(-1)  # the loss's gradient, 0 where ignored
+    whole = torch.where(valid.any(), grad, zero)  # 0 when every row is ignored
+    return ((dh * rows).to(h_dtype) if want_h else None,
+            (dw * whole).to(w_dtype) if want_w else None,
+            (db * whole).to(b_dtype) if want_b and b_dtype is not None else None,
             None, None, None, None, None, None, None, None)
 
 
