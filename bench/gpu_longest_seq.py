@@ -18,7 +18,8 @@ batch 1 per SP group, Inductor, ``--device cuda``), each run a fresh process gro
   remat ``none``, ``default``, ``sequence-aware``, each with the tiled loss (autosp train's
   default) and ``default`` / ``sequence-aware`` without it, and ``sequence-aware`` with the
   tiled MLP (``--tile-mlp true``), activation offload (``--offload true``: the layers' hidden
-  states in host memory between forward and backward), and both;
+  states in host memory between forward and backward), and both; and the tiled MLP with
+  everything the layers save offloaded (``--offload-all true``);
 - for every run that trains: the measured peak allocated memory per rank (the largest rank,
   ``torch.cuda.max_memory_allocated``) beside ``autosp plan``'s prediction for that run
   (printed by ``autosp train`` at start), and its ratio;
@@ -47,19 +48,20 @@ SHAPES = {
                      "--heads", "32", "--kv-heads", "8", "--vocab-size", "128256"],
 }
 # (mode, sp (0: --nproc), remat, extras): the tiled loss is autosp train's default, so
-# "untiled" turns it off; "tiled-mlp" and "offload" add those.
+# "untiled" turns it off; "tiled-mlp", "offload" and "offload-all" add those.
 STRATEGIES = [("no-sp", 1, "default", ()), ("ulysses", 0, "none", ()),
               ("ulysses", 0, "default", ()), ("ulysses", 0, "default", ("untiled",)),
               ("ulysses", 0, "sequence-aware", ("untiled",)), ("ulysses", 0, "sequence-aware", ()),
               ("ulysses", 0, "sequence-aware", ("tiled-mlp",)),
               ("ulysses", 0, "sequence-aware", ("offload",)),
-              ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload"))]
+              ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload")),
+              ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload-all"))]
 MFU_AT = (32768, 131072)
 
 
 def run(args: argparse.Namespace, sp: int, remat: str, seq: int, out: Path) -> dict | None:
     """One 3-step training run; its measurements, or None when it did not train (OOM).
-    `remat`: the policy, then "+"-joined extras (untiled, tiled-mlp, offload)."""
+    `remat`: the policy, then "+"-joined extras (untiled, tiled-mlp, offload, offload-all)."""
     policy, *extras = remat.split("+")
     cmd = [sys.executable, "-m", "autosp.cli", "train", "--nproc", str(args.nproc), "--sp", str(sp),
            *SHAPES[args.model], "--dtype", "bfloat16", "--seq-len", str(seq), "--batch-size", "1",
@@ -67,6 +69,8 @@ def run(args: argparse.Namespace, sp: int, remat: str, seq: int, out: Path) -> d
            "--out-dir", str(out), "--timeout-s", "900"]
     if "offload" in extras:
         cmd += ["--offload", "true"]
+    if "offload-all" in extras:
+        cmd += ["--offload-all", "true"]
     if "tiled-mlp" in extras:
         cmd += ["--tile-mlp", "true"]
     if "untiled" in extras:

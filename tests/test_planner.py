@@ -170,8 +170,9 @@ def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedSte
                           batch_size=BATCH, seq_multiple=256, plot=png)
     assert png.stat().st_size > 1000
     assert result.plot == str(png)
-    # 2 modes x 4 remat, 3 with the tiled loss, 2 with the tiled loss and MLP, 3 with offload
-    assert len(result.strategies) == 16
+    # 2 modes x 4 remat, 3 with the tiled loss, 2 with the tiled loss and MLP, 3 with offload,
+    # 1 with offload all
+    assert len(result.strategies) == 17
     budget = 64 << 20
     for s in result.strategies:
         assert s.longest_seq > 0 and s.longest_seq % 256 == 0
@@ -202,6 +203,12 @@ def test_plan_returns_data_and_plot(tmp_path: Path, traced_p1: planner.TracedSte
         assert off.offload and off.at_longest.offloaded_bytes > 0, name
         assert off.longest_seq >= plain.longest_seq, name
     assert plain.at_longest.offloaded_bytes == 0 and not plain.offload
+    # Offloading all a layer saves moves more over the link, and fits at least as much.
+    outputs = result.strategy("ulysses + sequence-aware + tiled loss + tiled mlp + offload")
+    every = result.strategy("ulysses + sequence-aware + tiled loss + tiled mlp + offload all")
+    assert every.offload_all and every.offload and not outputs.offload_all
+    assert every.at_seq.offloaded_bytes > outputs.at_seq.offloaded_bytes
+    assert every.longest_seq >= outputs.longest_seq
     assert "sequence-aware + tiled loss + offload" in text and "s)" in text
     assert json.loads(json.dumps(result.to_dict()))["gpus"] == 4
 
@@ -383,7 +390,7 @@ def test_bad_gpu_memory_and_strategy() -> None:
         planner.parse_bytes("80 parsecs")
     with pytest.raises(AutospError, match=r"unknown strategy 'ring\+none'"):
         planner.plan(TINY, gpus=2, sp=2, strategies=["ring+none"])
-    with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+full\+offload'.*offload "
+    with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+full\+offload'.*an offload "
                                           r"goes with the solver's policies"):
         planner.plan(TINY, gpus=2, sp=2, strategies=["ulysses+full+offload"])
     assert planner._parse_strategies(["ulysses+sequence-aware+tiled-loss+offload"]) == [
@@ -393,9 +400,16 @@ def test_bad_gpu_memory_and_strategy() -> None:
         planner.Choice("no-sp", "none", tile_loss=True, tile_mlp=True)]
     with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+none\+tiled-mlp\+tiled-loss'"):
         planner._parse_strategies(["ulysses+none+tiled-mlp+tiled-loss"])  # out of order
-    # 'all': per mode, 3 solver policies x 8 subsets of the extras, and 'full' without offload
+    with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+none\+offload\+offload-all'"):
+        planner._parse_strategies(["ulysses+none+offload+offload-all"])  # one offload at most
+    assert planner._parse_strategies(["ulysses+none+offload-all"]) == [
+        planner.Choice("ulysses", "none", offload=True, offload_all=True)]
+    assert planner.Choice("ulysses", "none", offload=True, offload_all=True).name == \
+        "ulysses + none + offload all"
+    # 'all': per mode, 3 solver policies x 4 subsets of the tiled ops x (no offload, offload,
+    # offload all), and 'full' without offload
     everything = planner._parse_strategies(["all"])
-    assert len(everything) == len(set(everything)) == 2 * (3 * 8 + 4)
+    assert len(everything) == len(set(everything)) == 2 * (3 * 4 * 3 + 4)
 
 
 def test_cli_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -454,23 +468,30 @@ def test_sequence_aware_peak_is_below_default_on_several_layers() -> None:
         assert abs(predicted.peak - peaks[policy]) <= PEAK_TOLERANCE * peaks[policy], policy
     assert peaks["sequence-aware"] < 0.7 * peaks["default"], peaks
     # Activation offload: the memory model offloads the bytes the partitioner offloads (one
-    # hidden state per layer).
-    torch._dynamo.reset()
-    report = remat.RematReport()
-    model = LlamaForCausalLM(cfg)
-    ids, labels = _batch()
-    ids, labels = ids.repeat(1, 4), labels.repeat(1, 4)
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(labels, 1)
-    compiled = torch.compile(model, backend=remat.backend(remat.Offload(), backend="aot_eager",
-                                                          report=report), fullgraph=True)
-    compiled(ids, labels=labels).backward()
-    options = _options("sequence-aware", traced)
-    options.offload_layer_outputs = True
-    offloaded = _core.simulate_peak_memory(traced.graph, 4 * SEQ, options)
+    # hidden state per layer; with saved="all", every tensor a layer saves).
     plain = _core.simulate_peak_memory(traced.graph, 4 * SEQ, _options("sequence-aware", traced))
-    assert report.graphs[0].offload_copies == cfg.num_layers
-    assert offloaded.offloaded_bytes == report.graphs[0].offloaded_bytes > 0
-    # This model peaks late in the backward, after the hidden states are read: offload cannot
-    # lower that peak (the C++ test MemoryOffload shows one it lowers), and must not raise it.
-    assert offloaded.saved_bytes == plain.saved_bytes and offloaded.peak <= plain.peak
+    moved = {}
+    for saved in ("layer outputs", "all"):
+        torch._dynamo.reset()
+        report = remat.RematReport()
+        model = LlamaForCausalLM(cfg)
+        ids, labels = _batch()
+        ids, labels = ids.repeat(1, 4), labels.repeat(1, 4)
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(labels, 1)
+        compiled = torch.compile(model, backend=remat.backend(
+            remat.Offload(saved=saved), backend="aot_eager", report=report), fullgraph=True)
+        compiled(ids, labels=labels).backward()
+        options = _options("sequence-aware", traced)
+        options.offload_layer_outputs = True
+        options.offload_layer_saved = saved == "all"
+        offloaded = _core.simulate_peak_memory(traced.graph, 4 * SEQ, options)
+        if saved == "layer outputs":
+            assert report.graphs[0].offload_copies == cfg.num_layers
+        assert offloaded.offloaded_bytes == report.graphs[0].offloaded_bytes > 0, saved
+        moved[saved] = offloaded.offloaded_bytes
+        # This model peaks late in the backward, after the hidden states are read: offload
+        # cannot lower that peak (the C++ tests MemoryOffload show ones it lowers), and must not
+        # raise it.
+        assert offloaded.saved_bytes == plain.saved_bytes and offloaded.peak <= plain.peak, saved
+    assert moved["all"] > moved["layer outputs"]

@@ -169,7 +169,7 @@ class SavedBytesMeter:
 
 
 POLICIES = ["none", "default", "sequence-aware", remat.MemoryBudget(fraction=0.5),
-            remat.Offload("sequence-aware")]
+            remat.Offload("sequence-aware"), remat.Offload("sequence-aware", saved="all")]
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,12 @@ def test_policy_matches_no_checkpointing(policy, eager_reference) -> None:
     # Offload: the hidden state each decoder layer hands to the next goes to host memory, one
     # copy per layer ([1, S, hidden] fp32 each); other policies offload nothing.
     per_layer = SEQ * CFG.hidden_size * 4
-    if isinstance(policy, remat.Offload):
+    if isinstance(policy, remat.Offload) and policy.saved == "all":
+        # Every tensor a layer saves: more copies and bytes than the hidden states alone, and
+        # no more than what the forward saves.
+        assert graph.offload_copies > CFG.num_layers, str(graph)
+        assert CFG.num_layers * per_layer < graph.offloaded_bytes <= graph.saved_bytes, str(graph)
+    elif isinstance(policy, remat.Offload):
         assert graph.offload_copies == CFG.num_layers, str(graph)
         assert graph.offloaded_bytes == CFG.num_layers * per_layer, str(graph)
     else:
@@ -476,8 +481,12 @@ def test_unknown_policy_is_rejected() -> None:
         remat.Offload(3)
     with pytest.raises(AutospError, match=r"takes a policy name or a MemoryBudget"):
         remat.Offload(remat.Offload())
+    with pytest.raises(AutospError, match=r"Offload\(saved=...\) found 'everything'; expected one "
+                                          r"of 'layer outputs', 'all'"):
+        remat.Offload(saved="everything")
     # Offloading is part of the partitioner's cache identity.
     assert remat._cache_key(remat.Offload(), 0.1) != remat._cache_key("sequence-aware", 0.1)
+    assert remat._cache_key(remat.Offload(), 0.1) != remat._cache_key(remat.Offload(saved="all"), 0.1)
     with pytest.raises(AutospError, match=r"\[remat\] unknown backend 'tvm'"):
         remat.backend("none", backend="tvm")
     with pytest.raises(AutospError, match=r"recompute_flops_ratio must be a finite number >= 0, got -1"):

@@ -12,6 +12,7 @@ from distributed import assert_grads_close, build_model, grads_of, make_batch, r
 POLICIES = ("none", "default", "sequence-aware")
 OFFLOAD = "sequence-aware + offload"
 OFFLOAD_TILED = "sequence-aware + offload + tiled loss"
+OFFLOAD_ALL = "sequence-aware + offload all + tiled loss"
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -24,7 +25,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mesh = autosp.init_mesh(world)
     out: dict[str, Any] = {}
     runs = [(p, p, False) for p in POLICIES]
-    runs += [(OFFLOAD, Offload("sequence-aware"), False), (OFFLOAD_TILED, Offload(), True)]
+    runs += [(OFFLOAD, Offload("sequence-aware"), False), (OFFLOAD_TILED, Offload(), True),
+             (OFFLOAD_ALL, Offload(saved="all"), True)]
     for name, policy, tile in runs:
         model = build_model(cfg)
         ref_loss, ref_grads = reference_loss_and_grads(model, ids, labels)
@@ -36,6 +38,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         collectives = [n for g in report.graphs for n in g.nodes if "c10d" in n.target]
         out[name] = {
             "offload_copies": sum(g.offload_copies for g in report.graphs),
+            "offloaded": sum(g.offloaded_bytes for g in report.graphs),
             "loss": loss.item(), "ref_loss": ref_loss, "grads": grads_of(model), "ref_grads": ref_grads,
             "saved": report.saved_bytes,
             "collective_fates": sorted({n.fate for n in collectives}),
@@ -46,7 +49,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_policies_exact_and_never_recompute_collectives() -> None:
     for r in run_ranks(2, _worker):
-        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED):
+        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED, OFFLOAD_ALL):
             p = r[policy]
             assert abs(p["loss"] - p["ref_loss"]) <= 1e-5 * abs(p["ref_loss"]), (policy, p["loss"], p["ref_loss"])
             assert_grads_close(p["grads"], p["ref_grads"], rtol=1e-4, context=policy)
@@ -58,3 +61,7 @@ def test_policies_exact_and_never_recompute_collectives() -> None:
         assert r[OFFLOAD]["saved"] == r["sequence-aware"]["saved"]
         assert r[OFFLOAD]["offload_copies"] == 2 and r["sequence-aware"]["offload_copies"] == 0
         assert r[OFFLOAD_TILED]["offload_copies"] == 2
+        # Offloading all a layer saves: the same saved set, more of it on the host.
+        assert r[OFFLOAD_ALL]["saved"] == r[OFFLOAD_TILED]["saved"]
+        assert r[OFFLOAD_ALL]["offload_copies"] > 2
+        assert r[OFFLOAD_TILED]["offloaded"] < r[OFFLOAD_ALL]["offloaded"] <= r[OFFLOAD_ALL]["saved"]

@@ -245,6 +245,7 @@ RematDecision decide_remat(const MemoryGraph& graph, int64_t seq, const MemoryOp
   ro.recompute_flops_ratio = options.recompute_flops_ratio;
   ro.max_dist_from_bw = options.max_dist_from_bw;
   ro.offload_layer_outputs = options.offload_layer_outputs;
+  ro.offload_layer_saved = options.offload_layer_saved;
   RematSolution solution = solve_remat(remat, ro);
   return {std::move(solution.fate), std::move(solution.offloaded)};
 }

@@ -154,6 +154,7 @@ struct MemoryOptions {
   // come back for the backward, each reloaded when the previous reload is first read (one
   // layer ahead).
   bool offload_layer_outputs = false;
+  bool offload_layer_saved = false;  // RematOptions::offload_layer_saved
   TrainingConfig training;
 
   bool operator==(const MemoryOptions&) const = default;

@@ -280,12 +280,15 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
       s.recompute_flops += node.flops;
     }
   }
-  if (options.offload_layer_outputs) {
+  if (options.offload_layer_outputs || options.offload_layer_saved) {
     for (int32_t i : solution.saved) {
       const RematNode& node = graph.nodes[i];
-      // A view shares its base's storage: PyTorch's offloading pass skips views.
+      const bool chosen = options.offload_layer_saved ? is_numbered_layer(node.layer)
+                                                      : remat_detail::leaves_layer(graph, i);
+      // As PyTorch's offloading pass: views share their base's storage, getitems and
+      // non-contiguous tensors it skips.
       if (node.save_cost != RematSaveCost::kTensor || node.kind == RematOpKind::kView ||
-          node.static_lifetime || node.primal_input || !remat_detail::leaves_layer(graph, i))
+          node.getitem || !node.contiguous || node.static_lifetime || node.primal_input || !chosen)
         continue;
       solution.offloaded.push_back(i);
       solution.offloaded_bytes += node.bytes;

@@ -84,8 +84,11 @@ struct RematNode {
   // A collective over the group parameters are sharded on (autosp.fully_shard): its value is a
   // gathered parameter (see solve_remat).
   bool parameter_collective = false;
-  bool fusible = false;        // on PyTorch's fusible list (allowlist + random ops)
-  bool getitem = false;        // operator.getitem: never banned by op-type rules
+  bool fusible = false;  // on PyTorch's fusible list (allowlist + random ops)
+  bool getitem = false;  // operator.getitem: never banned by op-type rules
+  // A tensor known to be contiguous (PyTorch's activation-offloading pass copies only those;
+  // false where unknown).
+  bool contiguous = false;
   std::vector<int32_t> users;  // indices of user nodes (deduplicated)
   // fusible_user[i]: PyTorch's is_fusible(this, users[i]) (both fusible, or users[i] is cat).
   std::vector<uint8_t> fusible_user;
@@ -121,6 +124,9 @@ struct RematOptions {
   // between decoder layers, from which each layer's backward recomputes) are kept in host
   // memory between the forward and the backward (RematSolution::offloaded).
   bool offload_layer_outputs = false;
+  // Offload more: every saved tensor computed inside a numbered layer, not only what it hands to
+  // the next (ALST offloads each layer's checkpoint likewise). Implies offload_layer_outputs.
+  bool offload_layer_saved = false;
 
   bool operator==(const RematOptions&) const = default;
 };
@@ -161,8 +167,9 @@ struct RematSolution {
   int32_t solves = 0;                     // max-flow solves (several when searching a budget)
   std::vector<RematLayerSummary> layers;  // in order of first appearance
   // With RematOptions::offload_layer_outputs: the saved tensors (node indices, ascending) a
-  // numbered layer hands to another, views excluded, which the forward copies to host memory
-  // and the backward copies back; and their bytes.
+  // numbered layer hands to another (with offload_layer_saved: every saved tensor computed in
+  // a numbered layer), views excluded, which the forward copies to host memory and the
+  // backward copies back; and their bytes.
   std::vector<int32_t> offloaded;
   int64_t offloaded_bytes = 0;
 

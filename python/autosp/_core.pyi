@@ -485,6 +485,12 @@ class RematNode:
     def getitem(self, arg: bool, /) -> None: ...
 
     @property
+    def contiguous(self) -> bool: ...
+
+    @contiguous.setter
+    def contiguous(self, arg: bool, /) -> None: ...
+
+    @property
     def users(self) -> list[int]: ...
 
     @users.setter
@@ -540,6 +546,12 @@ class RematOptions:
 
     @offload_layer_outputs.setter
     def offload_layer_outputs(self, arg: bool, /) -> None: ...
+
+    @property
+    def offload_layer_saved(self) -> bool: ...
+
+    @offload_layer_saved.setter
+    def offload_layer_saved(self, arg: bool, /) -> None: ...
 
 class RematLayerSummary:
     @property
@@ -868,6 +880,12 @@ class MemoryOptions:
 
     @offload_layer_outputs.setter
     def offload_layer_outputs(self, arg: bool, /) -> None: ...
+
+    @property
+    def offload_layer_saved(self) -> bool: ...
+
+    @offload_layer_saved.setter
+    def offload_layer_saved(self, arg: bool, /) -> None: ...
 
     @property
     def training(self) -> TrainingConfig: ...

@@ -87,6 +87,7 @@ class StrategyPlan:
     tile_loss: bool = False  # autosp.compile(tile_loss=True)
     tile_mlp: bool = False  # autosp.compile(tile_mlp=True)
     offload: bool = False  # remat=autosp.remat.Offload(...)
+    offload_all: bool = False  # remat=autosp.remat.Offload(..., saved="all") (with offload)
 
 
 @dataclass(frozen=True)

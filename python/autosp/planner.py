@@ -75,10 +75,11 @@ _STRATEGY_ENUM = {
 
 
 def _core_options(remat: str, dtype: str, num_params: int, shards: int,
-                  param_shards: int = 1, offload: bool = False) -> Any:
+                  param_shards: int = 1, offload: bool = False, offload_all: bool = False) -> Any:
     options = _core.MemoryOptions()
     options.strategy = getattr(_core.RematStrategy, _STRATEGY_ENUM[remat])
-    options.offload_layer_outputs = offload
+    options.offload_layer_outputs = offload or offload_all
+    options.offload_layer_saved = offload_all
     from autosp.remat import DEFAULT_RECOMPUTE_FLOPS_RATIO
 
     options.recompute_flops_ratio = DEFAULT_RECOMPUTE_FLOPS_RATIO
@@ -99,11 +100,13 @@ class Choice(NamedTuple):
     tile_loss: bool = False
     tile_mlp: bool = False
     offload: bool = False
+    offload_all: bool = False  # every tensor a layer saves (Offload(saved="all")); with offload
 
     @property
     def name(self) -> str:
         return (f"{self.mode} + {self.remat}" + (" + tiled loss" if self.tile_loss else "")
-                + (" + tiled mlp" if self.tile_mlp else "") + (" + offload" if self.offload else ""))
+                + (" + tiled mlp" if self.tile_mlp else "")
+                + (" + offload all" if self.offload_all else " + offload" if self.offload else ""))
 
 
 #: The strategies planned by default beyond every (mode, remat): the tiled loss, the tiled loss
@@ -117,22 +120,26 @@ DEFAULT_EXTRAS = (
     Choice("ulysses", "sequence-aware", offload=True),
     Choice("ulysses", "sequence-aware", tile_loss=True, offload=True),
     Choice("ulysses", "sequence-aware", tile_loss=True, tile_mlp=True, offload=True),
+    Choice("ulysses", "sequence-aware", tile_loss=True, tile_mlp=True, offload=True,
+           offload_all=True),
 )
 TILED = "tiled-loss"
 TILED_MLP = "tiled-mlp"
 OFFLOAD = "offload"
-EXTRAS = (TILED, TILED_MLP, OFFLOAD)  # in this order in a strategy's name
+OFFLOAD_ALL = "offload-all"
+EXTRAS = (TILED, TILED_MLP, OFFLOAD, OFFLOAD_ALL)  # in this order in a strategy's name; one offload
 
 
 def combinations(mode: str = "ulysses", remats: Sequence[str] = ("none", "default",
                                                                  "sequence-aware")) -> list[str]:
     """Every strategy of `mode` with `remats` and any of the tiled loss, the tiled MLP and
-    offload (offload with the solver's policies only), as strategy names for plan()."""
+    one of the two offloads (with the solver's policies only), as strategy names for plan()."""
     out = []
     for remat in remats:
-        for mask in range(8):
+        for mask in range(16):
             extras = [e for k, e in enumerate(EXTRAS) if mask >> k & 1]
-            if OFFLOAD in extras and remat == "full":
+            offloads = {OFFLOAD, OFFLOAD_ALL} & set(extras)
+            if len(offloads) > 1 or (offloads and remat == "full"):
                 continue
             out.append("+".join([mode, remat, *extras]))
     return out
@@ -147,18 +154,19 @@ def _parse_strategies(strategies: Sequence[str] | None) -> list[Choice]:
     for s in strategies:
         parts = s.replace(" ", "").replace("tiledloss", TILED).replace("tiledmlp", TILED_MLP).split("+")
         extras = parts[2:]
+        offloads = {OFFLOAD, OFFLOAD_ALL} & set(extras)
         ok = (len(parts) >= 2 and parts[0] in SP_MODES and parts[1] in REMAT_STRATEGIES
-              and extras == [e for e in EXTRAS if e in extras]
-              and not (OFFLOAD in extras and parts[1] == "full"))
+              and extras == [e for e in EXTRAS if e in extras] and len(offloads) <= 1
+              and not (offloads and parts[1] == "full"))
         if not ok:
             raise AutospError(
                 f"[plan] unknown strategy {s!r}; expected '<{'|'.join(SP_MODES)}>+"
-                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}][+{TILED_MLP}][+{OFFLOAD}]', e.g. "
-                f"'ulysses+sequence-aware' or 'ulysses+sequence-aware+{TILED}+{TILED_MLP}+"
-                f"{OFFLOAD}' ({OFFLOAD} goes with the solver's policies, not 'full')"
+                f"<{'|'.join(REMAT_STRATEGIES)}>[+{TILED}][+{TILED_MLP}][+{OFFLOAD}|+{OFFLOAD_ALL}]', "
+                f"e.g. 'ulysses+sequence-aware' or 'ulysses+sequence-aware+{TILED}+{TILED_MLP}+"
+                f"{OFFLOAD}' (an offload goes with the solver's policies, not 'full')"
             )
         out.append(Choice(parts[0], parts[1], TILED in extras, TILED_MLP in extras,
-                          OFFLOAD in extras))
+                          bool(offloads), OFFLOAD_ALL in extras))
     return out
 
 
@@ -236,7 +244,8 @@ def plan(
         num_params = traced.num_params
         shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
         options = _core_options(c.remat, dtype, traced.num_params, shards,
-                                param_shards=gpus if fsdp else 1, offload=c.offload)
+                                param_shards=gpus if fsdp else 1, offload=c.offload,
+                                offload_all=c.offload_all)
         query = _core.TrainabilityQuery()
         query.budget_bytes = budget
         query.seq_multiple = multiple
@@ -265,7 +274,7 @@ def plan(
         )
         plans.append(StrategyPlan(
             name=c.name, sp_mode=c.mode, remat=c.remat, tile_loss=c.tile_loss,
-            tile_mlp=c.tile_mlp, offload=c.offload, sp_size=p, dp_size=dp,
+            tile_mlp=c.tile_mlp, offload=c.offload, offload_all=c.offload_all, sp_size=p, dp_size=dp,
             longest_seq=found.longest_seq, capped=found.capped,
             at_longest=MemoryPrediction.from_core(found.at_longest) if found.longest_seq else None,
             at_seq=at_seq, curve=curve,

@@ -241,6 +241,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.utils import _is_fwd_seed_offset, _is_primal
     from torch._functorch.compile_utils import get_aten_target
+    from torch._prims_common import is_contiguous_or_false
 
     op_types = partitioners.get_default_op_list()
     nodes = [n for n in joint_graph.nodes if n.op != "output"]
@@ -292,6 +293,10 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
         f.parameter_collective = is_parameter_collective(node)
         f.fusible = fusible
         f.getitem = node.op == "call_function" and node.target is operator.getitem
+        # Known contiguous (offload copies only those), asked of forward values alone; without
+        # guards on a symbolic length (unknown: false).
+        val = node.meta.get("val") if f.required_fw else None
+        f.contiguous = isinstance(val, torch.Tensor) and bool(is_contiguous_or_false(val))
         users = sorted(index[u] for u in node.users if u in index)
         f.users = users
         f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]

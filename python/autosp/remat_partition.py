@@ -152,7 +152,7 @@ def _partition_graphs(
         moved = _offload(fw_module, bw_module, list(chosen), num_fwd_outputs,
                          node_info.static_lifetime_input_nodes)
         offload_copies, offloaded_bytes = len(moved), sum(chosen[name] for name in moved)
-    if options.offload_layer_outputs and offload_copies == 0:
+    if (options.offload_layer_outputs or options.offload_layer_saved) and offload_copies == 0:
         import warnings
 
         why = ("the values it chose are model outputs or not contiguous, which PyTorch's "
@@ -161,7 +161,7 @@ def _partition_graphs(
                "saved (Inductor's decomposition of LayerNorm, for one, saves the normalised "
                "value inside the next layer instead), or they are views")
         warnings.warn(f"[remat] Offload: nothing offloaded in this graph of {len(nodes)} nodes: "
-                      f"{why}; it trains as {_policy_name(policy).removesuffix(' + offload')}",
+                      f"{why}; it trains as {_policy_name(policy).split(' + offload')[0]}",
                       stacklevel=2)
     fw_module = raise_getitems(fw_module)
     bw_module = raise_getitems(bw_module)

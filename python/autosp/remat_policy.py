@@ -48,6 +48,10 @@ class MemoryBudget:
             )
 
 
+#: What Offload moves to host memory: the hidden states layers hand on, or all a layer saves.
+OFFLOAD_SAVED = ("layer outputs", "all")
+
+
 @dataclass(frozen=True)
 class Offload:
     """A remat policy (``policy``: a name or a MemoryBudget) plus activation offload: the saved
@@ -57,15 +61,26 @@ class Offload:
     (``torch._functorch._activation_offloading``). On CUDA the copies run on a side stream and
     the backward prefetches them ahead of use; on CPU they are plain copies (aliases: nothing
     moves), so exactness and the graph are testable there. Which values: the C++ solver
-    (RematOptions.offload_layer_outputs)."""
+    (RematOptions.offload_layer_outputs).
+
+    ``saved="all"`` offloads every tensor a decoder layer saves for its backward, not only the
+    hidden state it hands on (as ALST offloads each layer's checkpoint): the device then holds
+    the saved activations of about one layer in the backward, for more bytes on the host link
+    (RematOptions.offload_layer_saved)."""
 
     policy: Union[str, MemoryBudget] = "sequence-aware"
+    saved: str = "layer outputs"
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, Offload) or not isinstance(self.policy, (str, MemoryBudget)):
             raise AutospError(
                 f"[remat] Offload(policy=...) takes a policy name or a MemoryBudget, got "
                 f"{self.policy!r}"
+            )
+        if self.saved not in OFFLOAD_SAVED:
+            raise AutospError(
+                f"[remat] Offload(saved=...) found {self.saved!r}; expected one of "
+                f"{', '.join(repr(s) for s in OFFLOAD_SAVED)}"
             )
 
 
@@ -176,6 +191,7 @@ def _core_options(policy: RematPolicy, recompute_flops_ratio: float) -> Any:
     if isinstance(policy, Offload):
         options = _core_options(policy.policy, recompute_flops_ratio)
         options.offload_layer_outputs = True
+        options.offload_layer_saved = policy.saved == "all"
         return options
     options = _core.RematOptions()
     if isinstance(policy, MemoryBudget):
@@ -211,7 +227,7 @@ def _core_options(policy: RematPolicy, recompute_flops_ratio: float) -> Any:
 
 def _policy_name(policy: RematPolicy) -> str:
     if isinstance(policy, Offload):
-        return f"{_policy_name(policy.policy)} + offload"
+        return f"{_policy_name(policy.policy)} + offload" + (" all" if policy.saved == "all" else "")
     if isinstance(policy, MemoryBudget):
         if policy.bytes is not None:
             return f"sequence-aware, budget {policy.bytes} bytes"

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from autosp import _core
 from autosp.canon import _arg
 from autosp.errors import AutospError
-from autosp.tiled_ops import (Recipes, autocast_state, autograd_inside_op, replayed_autocast,
+from autosp.tiled_ops import (Recipes, autocast_state, replayed_autocast,
                               stable_name)
 
 # recipe key -> f(h_rows [n, D], weight, bias or None, targets [n], reduction) -> loss

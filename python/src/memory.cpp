@@ -107,6 +107,7 @@ void init_memory(nb::module_& m) {
       .def_rw("recompute_flops_ratio", &MemoryOptions::recompute_flops_ratio)
       .def_rw("max_dist_from_bw", &MemoryOptions::max_dist_from_bw)
       .def_rw("offload_layer_outputs", &MemoryOptions::offload_layer_outputs)
+      .def_rw("offload_layer_saved", &MemoryOptions::offload_layer_saved)
       .def_rw("training", &MemoryOptions::training);
 
   nb::class_<MemoryBreakdown>(m, "MemoryBreakdown")

@@ -84,6 +84,7 @@ void init_remat(nb::module_& m) {
       .def_rw("parameter_collective", &RematNode::parameter_collective)
       .def_rw("fusible", &RematNode::fusible)
       .def_rw("getitem", &RematNode::getitem)
+      .def_rw("contiguous", &RematNode::contiguous)
       .def_rw("users", &RematNode::users)
       .def_rw("fusible_user", &RematNode::fusible_user)
       .def_rw("args", &RematNode::args);
@@ -95,7 +96,8 @@ void init_remat(nb::module_& m) {
       .def_rw("budget_bytes", &RematOptions::budget_bytes)
       .def_rw("budget_fraction", &RematOptions::budget_fraction)
       .def_rw("max_dist_from_bw", &RematOptions::max_dist_from_bw)
-      .def_rw("offload_layer_outputs", &RematOptions::offload_layer_outputs);
+      .def_rw("offload_layer_outputs", &RematOptions::offload_layer_outputs)
+      .def_rw("offload_layer_saved", &RematOptions::offload_layer_saved);
 
   nb::class_<RematLayerSummary>(m, "RematLayerSummary")
       .def_ro("layer", &RematLayerSummary::layer)

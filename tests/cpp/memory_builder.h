@@ -27,6 +27,7 @@ class MemoryGraphBuilder {
     int32_t alias_of = -1;
     bool gradient = false;
     bool forward_output = false;
+    bool non_contiguous = false;  // RematNode::contiguous
   };
 
   int32_t add(const Spec& s) {
@@ -49,6 +50,7 @@ class MemoryGraphBuilder {
     f.primal_input = s.role == MemoryRole::kParameter || s.role == MemoryRole::kInput;
     f.static_lifetime = s.role == MemoryRole::kParameter;
     f.fusible = f.kind == RematOpKind::kCheap || f.kind == RematOpKind::kView;
+    f.contiguous = !s.non_contiguous;
     const int32_t id = static_cast<int32_t>(graph.nodes.size());
     for (int32_t in : s.inputs) {
       RematNode& producer = graph.nodes[in].facts;

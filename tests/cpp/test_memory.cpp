@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -377,7 +378,78 @@ TEST(MemoryOffload, LayerOutputsLeaveTheDeviceBetweenForwardAndBackward) {
   // Full checkpointing (no solver) offloads nothing.
   MemoryOptions full = fp32_options(RematStrategy::kFullCheckpoint, 0);
   full.offload_layer_outputs = true;
+  full.offload_layer_saved = true;
   EXPECT_EQ(simulate_peak_memory(g.graph, seq, full).offloaded_bytes, 0);
+}
+
+// Offloading every saved tensor of a layer (RematOptions::offload_layer_saved), as ALST offloads
+// each layer's checkpoint: four layers that each save an inner value a_k (which the solver
+// must keep: it is not recomputable) besides the hidden state h_k they hand on. Layer outputs
+// alone leave the a_k on the device for the whole backward; all saved tensors leave only the
+// ones being read and prefetched.
+TEST(MemoryOffload, EverySavedTensorOfALayerLeavesTheDevice) {
+  using S = MemoryGraphBuilder::Spec;
+  MemoryGraphBuilder g;
+  int prev = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(1, 1)});
+  std::vector<int> a, h;
+  for (int k = 0; k < 4; ++k) {
+    const std::string layer = "layers." + std::to_string(k);
+    a.push_back(g.add(S{.name = "a" + std::to_string(k),
+                        .kind = RematOpKind::kOther,
+                        .bytes = SeqBytes::term(8, 1),
+                        .inputs = {prev},
+                        .layer = layer}));
+    prev = g.add(S{.name = "h" + std::to_string(k),
+                   .bytes = SeqBytes::term(8, 1),
+                   .inputs = {a.back()},
+                   .layer = layer});
+    h.push_back(prev);
+  }
+  g.add(
+      S{.name = "loss", .bytes = SeqBytes::constant(4), .inputs = {prev}, .forward_output = true});
+  int grad = g.add(S{.name = "t",
+                     .role = MemoryRole::kTangent,
+                     .bytes = SeqBytes::constant(4),
+                     .fw = false,
+                     .tangent = true});
+  for (int k = 3; k >= 0; --k)
+    grad = g.add(S{.name = "g" + std::to_string(k),
+                   .bytes = SeqBytes::term(8, 1),
+                   .inputs = {grad, a[static_cast<size_t>(k)]},
+                   .fw = false,
+                   .tangent = true,
+                   .layer = "layers." + std::to_string(k)});
+  const int64_t seq = 1000;
+  MemoryOptions outputs = fp32_options(RematStrategy::kSequenceAware, 0);
+  outputs.offload_layer_outputs = true;
+  MemoryOptions all = outputs;
+  all.offload_layer_saved = true;
+  const RematDecision d = decide_remat(g.graph, seq, all);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(d.fate[a[static_cast<size_t>(k)]], RematFate::kSaved);
+  const MemoryBreakdown o = simulate_peak_memory(g.graph, seq, outputs);
+  const MemoryBreakdown b = simulate_peak_memory(g.graph, seq, all);
+  EXPECT_EQ(b.saved_bytes, o.saved_bytes);
+  EXPECT_TRUE(decide_remat(g.graph, seq, outputs).offloaded.empty());
+  // As PyTorch's offloading pass: a tensor not known to be contiguous stays on the device.
+  MemoryGraph strided = g.graph;
+  strided.nodes[static_cast<size_t>(a[1])].facts.contiguous = false;
+  const RematDecision d1 = decide_remat(strided, seq, all);
+  EXPECT_EQ(std::find(d1.offloaded.begin(), d1.offloaded.end(), a[1]), d1.offloaded.end());
+  EXPECT_EQ(d1.offloaded.size(), d.offloaded.size() - 1);
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_NE(std::find(d.offloaded.begin(), d.offloaded.end(), a[static_cast<size_t>(k)]),
+              d.offloaded.end());
+  }
+  // The backward reads the a_k only: the saved set is the four a_k, all offloaded (the layer
+  // outputs h_k are not saved, so offloading only those moves nothing).
+  EXPECT_EQ(b.offloaded_bytes, b.saved_bytes);
+  EXPECT_EQ(b.saved_bytes, 4 * 8 * seq);
+  EXPECT_EQ(o.offloaded_bytes, 0);
+  // Layer outputs only, at g3: x, the four a_k, g3, t and the loss.
+  EXPECT_EQ(o.peak, 1 * seq + 4 * 8 * seq + 8 * seq + 4 + 4);
+  // All saved, at g2: x, two a_k (a2 read, a1 prefetched), g3 and g2, the loss.
+  EXPECT_EQ(b.peak, 1 * seq + 2 * 8 * seq + 2 * 8 * seq + 4);
+  EXPECT_EQ(b.peak_node, "g2");
 }
 
 TEST(MemoryTiledLoss, WorkspaceOfTheTiledLossOp) {

@@ -83,6 +83,9 @@ class TrainingConfig:
     offload: bool = _f(False, "keep the hidden states decoder layers hand to each other in host "
                               "memory between forward and backward (autosp.remat.Offload; "
                               "exact; frees device memory on CUDA, copies nothing on CPU)")
+    offload_all: bool = _f(False, "offload every activation a decoder layer saves for its "
+                                  "backward, not only the hidden states (autosp.remat.Offload("
+                                  "saved='all'); implies offload)")
     tile_loss: bool = _f(True, "compute the loss over lm_head a chunk of tokens at a time, so that "
                                "the [tokens, vocab] logits never exist whole (autosp.compile("
                                "tile_loss=True); exact)")

@@ -135,8 +135,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
             print(chose, flush=True)
     remat = MemoryBudget(bytes=int(t.remat_budget_gib * (1 << 30))) if t.remat_budget_gib > 0 \
         else t.remat
-    if t.offload:
-        remat = Offload(remat)
+    if t.offload or t.offload_all:
+        remat = Offload(remat, saved="all" if t.offload_all else "layer outputs")
     compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=t.backend,
                               remat_report=flops_report, tile_loss=t.tile_loss,
                               tile_mlp=t.tile_mlp)
@@ -157,7 +157,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
               f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
-              f"{', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}, "
+              f"{', offload all' if t.offload_all else ', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}, "
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)

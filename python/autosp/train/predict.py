@@ -31,7 +31,8 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
 
     t = cfg.training
     strategy = (f"ulysses+{t.remat}" + ("+tiled-loss" if t.tile_loss else "")
-                + ("+tiled-mlp" if t.tile_mlp else "") + ("+offload" if t.offload else ""))
+                + ("+tiled-mlp" if t.tile_mlp else "")
+                + ("+offload-all" if t.offload_all else "+offload" if t.offload else ""))
     start = time.perf_counter()
     try:
         result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,
@@ -94,7 +95,8 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
             f"loss, tiled MLP and offload predicted to fit {budget / gib:.2f} GiB per rank at "
             f"S = {t.seq_len} (the lowest: {low.name}, {low.at_seq.peak / gib:.2f} GiB); "
             "expected a shorter seq_len, more ranks in the SP group, or more memory")
-    t.remat, t.tile_loss, t.tile_mlp, t.offload = best.remat, best.tile_loss, best.tile_mlp, best.offload
+    t.remat, t.tile_loss, t.tile_mlp = best.remat, best.tile_loss, best.tile_mlp
+    t.offload, t.offload_all = best.offload, best.offload_all
     return (f"autosp plan: remat auto chose {best.name}: predicted peak "
             f"{best.at_seq.peak / gib:.3f} GiB of {budget / gib:.2f}, "
             f"+{100 * best.at_seq.overhead:.0f}% predicted step time "
