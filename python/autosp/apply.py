@@ -37,14 +37,27 @@ class RankContext:
 # Inserted SP ops whose result stands for the same single-device value as their operand (a
 # chunk of it, its gradient sync, its gather, its exchange): such a node gets its operand's
 # meta, the convention of copied nodes (the example value is the single-device value). The
-# caches take method calls only on nodes with an example value (autosp.compile_cache).
+# caches take method calls only on nodes with an example value (autosp.compile_cache). Its
+# module path too (nn_module_stack, which AOTAutograd carries to the joint graph's nodes): an
+# exchange inside a decoder layer belongs to that layer for remat (remat_facts._layer_of:
+# Offload(saved="all") offloads what a layer saves).
 _SAME_VALUE_OPS = {"sp.slice", "sp.grad_sync", "sp.reduce_partial", "sp.all_gather", "sp.check_index",
                    "sp.scan"}
+_SAME_VALUE_META = ("example_value", "nn_module_stack")
 
 
 def _stands_for(node: fx.Node, operand: Any) -> fx.Node:
-    if isinstance(operand, fx.Node) and "example_value" in operand.meta:
-        node.meta["example_value"] = operand.meta["example_value"]
+    if isinstance(operand, fx.Node):
+        for key in _SAME_VALUE_META:
+            if key in operand.meta:
+                node.meta[key] = operand.meta[key]
+    return node
+
+
+def _in_module_of(node: fx.Node, operand: Any) -> fx.Node:
+    """An inserted SP op takes its operand's module path (see _SAME_VALUE_META)."""
+    if isinstance(operand, fx.Node) and "nn_module_stack" in operand.meta:
+        node.meta.setdefault("nn_module_stack", operand.meta["nn_module_stack"])
     return node
 
 
@@ -267,7 +280,8 @@ class _Replayer:
             node = g.call_function(collectives.shift, (ins[0], a["dim"], a["start"], a["offset"],
                                                        a.get("in_offset", 0), ctx.group, ctx.rank, ctx.world))
         elif op == "sp.grad_sync" and len(ins) > 1:
-            tup = g.call_function(collectives.grad_sync_many, (tuple(ins), ctx.group))
+            tup = _in_module_of(g.call_function(collectives.grad_sync_many, (tuple(ins), ctx.group)),
+                                ins[0])
             for i, vid in enumerate(cn.outputs):
                 self.env[vid] = _stands_for(g.call_function(operator.getitem, (tup, i)), ins[i])
             return
@@ -281,8 +295,9 @@ class _Replayer:
             node = g.call_function(collectives.all_gather_seq,
                                    (ins[0], a["dim"], outer, a["inner"], ctx.group, ctx.rank, ctx.world))
         elif op == "sp.all_to_all":
-            tup = g.call_function(collectives.all_to_all,
-                                  (tuple(ins), a["scatter_dim"], a["gather_dim"], ctx.group, ctx.world))
+            tup = _in_module_of(g.call_function(
+                collectives.all_to_all,
+                (tuple(ins), a["scatter_dim"], a["gather_dim"], ctx.group, ctx.world)), ins[0])
             for i, vid in enumerate(cn.outputs):
                 self.env[vid] = _stands_for(g.call_function(operator.getitem, (tup, i)), ins[i])
             return
@@ -306,6 +321,8 @@ class _Replayer:
             raise AssertionError(f"unknown inserted op {op}")
         if op in _SAME_VALUE_OPS:
             _stands_for(node, ins[0])
+        else:
+            _in_module_of(node, ins[0] if ins else None)
         for vid in cn.outputs:
             self.env[vid] = node
 
