@@ -21,6 +21,7 @@ memory (PyTorch's pass copies nothing), so its row shows the measured peak uncha
 
     .venv/bin/python bench/bench_longest_seq.py                     # ~15 minutes on 2 cores
     .venv/bin/python bench/bench_longest_seq.py --budget 1GiB --hidden 128 --probe 1024 2048
+    .venv/bin/python bench/bench_longest_seq.py --time-only --steps 3    # step-time ratios only
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Strategy:
     tile_loss: bool = False
     tile_mlp: bool = False
     offload: bool = False
+    loss_recompute: bool = False  # the tiled loss's recomputing form (AUTOSP_LOSS_RECOMPUTE=1)
 
 
 STRATEGIES = (
@@ -51,6 +53,8 @@ STRATEGIES = (
     Strategy("ulysses + default", True, "default"),
     Strategy("ulysses + sequence-aware", True, "sequence-aware"),
     Strategy("ulysses + sequence-aware + tiled loss", True, "sequence-aware", tile_loss=True),
+    Strategy("ulysses + sequence-aware + tiled loss (recomputing)", True, "sequence-aware",
+             tile_loss=True, loss_recompute=True),
     Strategy("ulysses + sequence-aware + tiled loss + tiled mlp", True, "sequence-aware",
              tile_loss=True, tile_mlp=True),
     Strategy("ulysses + sequence-aware + tiled loss + tiled mlp + offload", True, "sequence-aware",
@@ -80,6 +84,7 @@ def _step_memory(s: Strategy, cfg: Any, p: int, seq: int, steps: int = 0) -> tup
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     os.environ["AUTOSP_LOSS_TILE_ROWS"] = str(-(-seq // p * LOSS_ROWS_HIDDEN // cfg.vocab_size))
+    os.environ["AUTOSP_LOSS_RECOMPUTE"] = "1" if s.loss_recompute else ""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
     try:
         mesh = autosp.init_mesh(p)
@@ -106,12 +111,26 @@ def _predicted_peak(s: Strategy, cfg: Any, p: int, seq: int) -> int:
     import autosp
 
     os.environ["AUTOSP_LOSS_TILE_ROWS"] = str(-(-seq // p * LOSS_ROWS_HIDDEN // cfg.vocab_size))
+    os.environ["AUTOSP_LOSS_RECOMPUTE"] = "1" if s.loss_recompute else ""
     name = ("ulysses+" if s.sp else "no-sp+") + s.remat + ("+tiled-loss" if s.tile_loss else "") \
         + ("+tiled-mlp" if s.tile_mlp else "") + ("+offload" if s.offload else "")
     result = autosp.plan(cfg, gpus=p, sp=p, dtype="fp32", gpu_memory=1 << 40, strategies=[name],
                          optimizer_sharding="none", seq_multiple=p, seq_len=seq, max_seq=seq,
                          curve_points=2)
     return result.strategies[0].at_seq.peak
+
+
+def _time_only(chosen: list[Strategy], cfg: Any, args: argparse.Namespace) -> None:
+    """Median step seconds of each strategy at the second probe length, with ulysses + default
+    first as the baseline."""
+    base_s = next(s for s in STRATEGIES if s.name == "ulysses + default")
+    times = {}
+    for s in [base_s] + [s for s in chosen if s is not base_s]:
+        p = args.sp if s.sp else 1
+        seq = args.probe[1] * p
+        times[s.name] = _step_memory(s, cfg, p, seq, steps=args.steps)[1]
+        print(f"  {s.name}: step {times[s.name]:.2f} s at S {seq} "
+              f"({times[s.name] / times[base_s.name]:.2f}x ulysses + default)", flush=True)
 
 
 def main() -> None:
@@ -131,6 +150,9 @@ def main() -> None:
                          "(Llama-3.2-1B's 2048: ceil(tokens * 2048 / vocab) rows); the default "
                          "rule with the narrowed hidden would make chunks 8x smaller")
     ap.add_argument("--only", default="", help="comma-separated strategy names (default: all)")
+    ap.add_argument("--time-only", action="store_true",
+                    help="only the step times at the second probe length, as ratios to "
+                         "ulysses + default (no search for the longest S)")
     args = ap.parse_args()
 
     from autosp.plan_inputs import parse_bytes
@@ -146,6 +168,9 @@ def main() -> None:
           f"per rank; fp32; rank 0 of sp {args.sp} on a fake process group, CPU")
     rows = []
     chosen = [s for s in STRATEGIES if not args.only or s.name in args.only.split(",")]
+    if args.time_only:
+        _time_only(chosen, cfg, args)
+        return
     for s in chosen:
         p = args.sp if s.sp else 1
         multiple = 256 * p
