@@ -123,6 +123,7 @@ def _report_step(training: bool) -> tuple[Any, float]:
     return report, loss.item()
 
 
+@pytest.mark.slow  # 26 s; the second-process hit test stays in the default suite
 def test_reports_on_hits_evaluation_and_a_missing_file(tmp_path: Any, monkeypatch: Any) -> None:
     """Found by a breaker: a hit whose saved report was gone, and a no_grad call, each compiled
     the graph a second time (an internal error); an evaluation process took a training

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 import model_gen
 from distributed import run_ranks
 
-DEFAULT_COUNTS = {2: 16, 4: 2}  # world 4 costs about three times world 2 on two cores
+DEFAULT_COUNTS = {2: 10, 4: 1}  # world 4 costs about three times world 2 on two cores
 SLOW_COUNTS = {2: 300, 4: 220}
 CHUNK = 40
 CHUNK_TIMEOUT_S = 1800.0

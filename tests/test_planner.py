@@ -240,7 +240,8 @@ _BREAKDOWN_FIELDS = ("seq_len", "parameters", "gradients", "optimizer_state", "s
 
 
 @pytest.mark.parametrize("sp_size,layers,kv_heads,dtype",
-                         [(1, 4, 2, "fp32"), (2, 5, 1, "bf16")], ids=["p1-gqa-fp32", "p2-kv1-bf16"])
+                         [(1, 4, 2, "fp32"), pytest.param(2, 5, 1, "bf16", marks=pytest.mark.slow)],
+                         ids=["p1-gqa-fp32", "p2-kv1-bf16"])
 def test_replicated_layers_predict_like_the_full_trace(sp_size: int, layers: int, kv_heads: int,
                                                        dtype: str) -> None:
     """Deep models are traced with 3 layers and the core copies the middle one (what makes

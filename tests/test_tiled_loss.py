@@ -228,7 +228,8 @@ def test_tiling_removes_the_logits_from_the_measured_peak() -> None:
     assert measured[False].peak_bytes - measured[True].peak_bytes >= 1.5 * logits_bytes
 
 
-@pytest.mark.parametrize("rows,recompute", [(None, False), ("128", True)],
+@pytest.mark.parametrize("rows,recompute", [(None, False),
+                                            pytest.param("128", True, marks=pytest.mark.slow)],
                          ids=["proportional-chunks-grads-in-forward", "128-row-chunks-recomputing"])
 def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool) -> None:
     """``autosp plan``'s memory model on the tiled loss (its ops' workspace from
