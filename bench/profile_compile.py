@@ -80,8 +80,9 @@ def main() -> None:
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
     ap.add_argument("--static", action="store_true",
-                    help="also time torch.compile with S static (cold): what specialising the "
-                         "compiled graph on each S could save against the dynamic trace")
+                    help="also time torch.compile with S static (cold), and autosp.compile("
+                         "dynamic=False) (cold and warm): planned on the symbolic trace, "
+                         "compiled with S static")
     args = ap.parse_args()
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -108,11 +109,15 @@ def main() -> None:
 
     _core.plan_ulysses = timed_plan
 
-    def autosp_step() -> None:
+    def autosp_step(dynamic: bool = True) -> None:
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
-        compiled = autosp.compile(model, mesh=mesh, backend=args.backend, check_inputs="never")
+        compiled = autosp.compile(model, mesh=mesh, backend=args.backend, check_inputs="never",
+                                  dynamic=dynamic)
         compiled(ids, ids).backward()
+
+    def autosp_static_step() -> None:
+        autosp_step(dynamic=False)
 
     def torch_step() -> None:
         torch.manual_seed(0)
@@ -136,6 +141,8 @@ def main() -> None:
             for phase in ("cold", "warm")]
     if args.static:
         runs.append(("torch.compile static S, cold", torch_static_step, True))
+        runs += [(f"autosp dynamic=False, {phase}", autosp_static_step, phase == "cold")
+                 for phase in ("cold", "warm")]
     for name, step, cold in runs:
         if cold:  # a fresh on-disk cache (Inductor's FX graph and AOTAutograd caches)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autosp-profile-")
@@ -167,6 +174,11 @@ def main() -> None:
         static = results["torch.compile static S, cold"][0]
         print(f"torch.compile static S / dynamic S, cold: "
               f"{static / results['torch.compile, cold'][0]:.2f}x")
+        for phase in ("cold", "warm"):
+            ours = results[f"autosp dynamic=False, {phase}"][0]
+            print(f"autosp dynamic=False / torch.compile (dynamic S), {phase}: "
+                  f"{ours / results[f'torch.compile, {phase}'][0]:.2f}x; / autosp dynamic: "
+                  f"{ours / results[f'autosp, {phase}'][0]:.2f}x")
     print("Stages nest (the dynamo capture holds the backend's work); the total is wall time.")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 from typing import Any, Iterator
 from unittest import mock
 
@@ -228,13 +229,16 @@ def test_tiling_removes_the_logits_from_the_measured_peak() -> None:
     assert measured[False].peak_bytes - measured[True].peak_bytes >= 1.5 * logits_bytes
 
 
-@pytest.mark.parametrize("rows,recompute", [(None, False),
-                                            pytest.param("128", True, marks=pytest.mark.slow)],
-                         ids=["proportional-chunks-grads-in-forward", "128-row-chunks-recomputing"])
-def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool) -> None:
+@pytest.mark.parametrize("rows,recompute,chunks", [
+    (None, False, None), (None, False, 4), pytest.param("128", True, None, marks=pytest.mark.slow)],
+    ids=["proportional-chunks-grads-in-forward", "4-chunks-grads-in-forward",
+         "128-row-chunks-recomputing"])
+def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool,
+                                         chunks: int | None) -> None:
     """``autosp plan``'s memory model on the tiled loss (its ops' workspace from
     autosp.tiled_loss.workspace) against a real step on rank 0 of 2 (fake process group):
-    saved bytes exact, the peak within 10%, tiled and untiled: the default chunks with the
+    saved bytes exact, the peak within 10%, tiled and untiled: the default chunks (64) and 4
+    chunks (``autosp.compile(loss_chunks=4)`` against ``MemoryOptions.loss_chunks``) with the
     gradients computed in the forward, and 128 rows per chunk with the recomputing backward
     (AUTOSP_LOSS_RECOMPUTE=1). Its recomputed FLOPs: none with the gradients in the forward,
     the logits' forward once more with the recomputing backward.
@@ -246,7 +250,7 @@ def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool) -> N
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = pool.submit(_predict_and_measure_tiled, rows, recompute).result(timeout=600)
+        results = pool.submit(_predict_and_measure_tiled, rows, recompute, chunks).result(timeout=600)
     for tile, predicted_saved, measured_saved, predicted_peak, measured_peak, flops, logits_flops in results:
         print(f"tile_loss={tile}: predicted {predicted_peak}, measured {measured_peak}")
         assert predicted_saved == measured_saved
@@ -255,7 +259,8 @@ def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool) -> N
         assert flops == pytest.approx(logits_flops if tile and recompute else 0, rel=1e-9)
 
 
-def _predict_and_measure_tiled(rows: str | None, recompute: bool) -> list[tuple]:
+def _predict_and_measure_tiled(rows: str | None, recompute: bool,
+                               chunks: int | None) -> list[tuple]:
     import autosp
     from autosp import _core, measure, planner
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
@@ -273,18 +278,85 @@ def _predict_and_measure_tiled(rows: str | None, recompute: bool) -> list[tuple]
             torch.manual_seed(0)
             model = LlamaForCausalLM(cfg)
             compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware",
-                                      backend="aot_eager", tile_loss=tile)
+                                      backend="aot_eager", tile_loss=tile,
+                                      loss_chunks=chunks if tile else None)
             measured = measure.train_step_memory(model, compiled, ids, ids)
             traced = trace_step(cfg, sp_size=2, dtype="fp32", batch_size=2, tile_loss=tile)
             predicted = _core.simulate_peak_memory(
                 traced.graph, seq,
-                planner._core_options("sequence-aware", "fp32", traced.num_params, 1))
+                planner._core_options("sequence-aware", "fp32", traced.num_params, 1,
+                                      loss_chunks=chunks or 0))
             none = _core.simulate_peak_memory(
                 traced.graph, seq, planner._core_options("none", "fp32", traced.num_params, 1))
             out.append((tile, predicted.saved_bytes, measured.saved_bytes, predicted.peak,
                         measured.peak_bytes, none.recompute_flops,
                         2 * (2 * seq // 2) * cfg.hidden_size * vocab))
     return out
+
+
+def _chunks_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    """The reference Llama with ``loss_chunks=3`` and with the default chunks (no
+    AUTOSP_LOSS_TILE_ROWS): two steps each against one device, and the chunks each pass ran."""
+    import autosp
+    from autosp import tiled_loss_ops
+    from autosp.models.llama import LlamaForCausalLM
+
+    mesh = autosp.init_mesh(world)
+    out = []
+    for chunks in (3, None):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_config(4, 2, vocab_size=loss_heads.VOCAB, hidden_size=32))
+        ref = copy.deepcopy(model)
+        compiled = autosp.compile(model, mesh=mesh, remat="none", backend="aot_eager",
+                                  tile_loss=True, loss_chunks=chunks)
+        ran: list[int] = []
+
+        def counting(*args: Any) -> list[tuple[int, int]]:
+            spans = tiled_loss._chunks(*args)
+            ran.append(len(spans))
+            return spans
+
+        from autosp import tiled_loss
+
+        with mock.patch.object(tiled_loss_ops, "_chunks", side_effect=counting):
+            for seed, scale in ((1, 1.0), (2, 0.37)):
+                ids, labels = make_batch(loss_heads.VOCAB, 2, SEQ, seed)
+                loss, grads, _ = _step(model, compiled, ids, labels, scale)
+                ref_loss, ref_grads, _ = _step(ref, ref, ids, labels, scale)
+                out.append({"chunks": chunks, "loss": loss, "ref_loss": ref_loss, "grads": grads,
+                            "ref_grads": ref_grads, "ran": list(ran)})
+                ran.clear()
+    return out
+
+
+def test_loss_chunks_sets_the_chunks_and_stays_exact() -> None:
+    """``autosp.compile(tile_loss=True, loss_chunks=3)`` at world 2: each step's one pass over
+    this rank's 16 rows (batch 2 x 8 tokens) runs 3 chunks (6, 6 and 4 rows), and the default
+    runs ceil(vocab / hidden) = ceil(97 / 32) = 4; both exact against one device (loss 1e-5,
+    gradients 1e-4), with a loss gradient of 1 and of 0.37."""
+    results = run_ranks(2, _chunks_worker)
+    for rank, per_rank in enumerate(results):
+        for r in per_rank:
+            where = f"loss_chunks={r['chunks']} (rank {rank})"
+            assert r["ran"] == [3 if r["chunks"] == 3 else 4], (where, r["ran"])
+            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5, (where, r["loss"], r["ref_loss"])
+            assert_grads_close(r["grads"], r["ref_grads"], rtol=1e-4, context=where)
+
+
+def test_bad_loss_chunks_are_clear_errors() -> None:
+    import autosp
+
+    mesh = mock.Mock()
+    for chunks, tile, found in ((0, True, "found loss_chunks=0; expected a positive int"),
+                                (2.5, True, "found loss_chunks=2.5; expected a positive int"),
+                                (True, True, "found loss_chunks=True; expected a positive int"),
+                                (4, False, "found loss_chunks=4 with tile_loss=False; expected "
+                                           "tile_loss=True")):
+        with pytest.raises(autosp.AutospError, match=re.escape("[autosp:compile] " + found)):
+            autosp.compile(torch.nn.Linear(2, 2), mesh=mesh, tile_loss=tile, loss_chunks=chunks)
+        with pytest.raises(autosp.AutospError, match=re.escape("[autosp:compile] " + found)):
+            autosp.backend(mesh, tile_loss=tile, loss_chunks=chunks)
 
 
 def _errors_worker(rank: int, world: int) -> list[str]:

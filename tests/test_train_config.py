@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,47 @@ def test_remat_auto_picks_the_cheapest_combination_that_fits() -> None:
         choose_strategy(cfg_with(0.001), 2, 2, 256, cpu)
     with pytest.raises(AutospError, match=r"training.memory_gib = 0 on a CPU; expected the memory"):
         choose_strategy(cfg_with(0.0), 2, 2, 256, cpu)
+
+
+def test_remat_auto_gives_the_tiled_loss_the_fewest_chunks_that_fit() -> None:
+    """Fewer loss chunks read lm_head's weight fewer times, so with a memory budget the fastest
+    tiled loss is the one with the fewest chunks that fit (``fewest_loss_chunks``, the core's
+    bisection over ``MemoryOptions.loss_chunks``). Tiny Llama, vocabulary 32,000 (rule:
+    ceil(32000 / 64) = 500 chunks), S = 65,536 over 2 ranks: with a budget halfway between
+    the peaks at 1 chunk and at 500, the plan's fewest fit and one fewer does not; ``remat =
+    "auto"`` picks a tiled loss there and trains with that many chunks."""
+    import autosp
+    from autosp.train.predict import choose_strategy, planner_model
+
+    cfg = C.TrainConfig()
+    cfg.training.remat, cfg.training.seq_len, cfg.training.batch_size = "auto", 65536, 1
+    vocab, gib = 32000, 1 << 30
+
+    def plan(name: str, budget: int, chunks: int = 0) -> Any:
+        return autosp.plan(planner_model(cfg, vocab), gpus=2, sp=2, dtype="fp32", batch_size=1,
+                           optimizer_sharding="none", seq_len=65536, gpu_memory=budget,
+                           strategies=[name], seq_multiple=65536, max_seq=65536,
+                           curve_points=2, loss_chunks=chunks).strategies[0]
+
+    name = "ulysses+sequence-aware+tiled-loss"
+    roomy = plan(name, 1 << 40)
+    assert (roomy.loss_chunks, roomy.fit_loss_chunks) == (500, 1)
+    one, rule = plan(name, 1 << 40, 1).at_seq.peak, roomy.at_seq.peak
+    assert one > rule + 100 * (1 << 20)  # one chunk holds [32768, 32000] fp32 logits and more
+    budget = (one + rule) // 2
+    fit = plan(name, budget).fit_loss_chunks
+    assert 1 < fit < 500
+    assert plan(name, budget, fit).at_seq.peak <= budget < plan(name, budget, fit - 1).at_seq.peak
+    # Nothing fits: 0.
+    assert plan(name, rule - 1).fit_loss_chunks == 0
+
+    cfg.training.memory_gib = budget / gib
+    line = choose_strategy(cfg, 2, 2, vocab, torch.device("cpu"))
+    t = cfg.training
+    chosen = ("ulysses+" + t.remat + ("+tiled-loss" if t.tile_loss else "")
+              + ("+tiled-mlp" if t.tile_mlp else "")
+              + ("+offload-all" if t.offload_all else "+offload" if t.offload else ""))
+    assert t.tile_loss, line  # below the peak of one chunk: an untiled loss does not fit
+    expect = plan(chosen, int(t.memory_gib * gib)).fit_loss_chunks
+    assert t.loss_chunks == expect > 0, (line, chosen)
+    assert f"with {expect} loss chunks, the fewest predicted to fit" in line

@@ -157,6 +157,7 @@ int PlanBuilder::copy_loss(const Node& n, std::vector<int> args, const Placement
     args.insert(args.end(), tile->inputs.begin(), tile->inputs.end());
     attrs["head_chain"] = tile->chain;
     attrs["head_regroup"] = tile->regroup;
+    attrs["loss_chunks"] = cfg_.loss_chunks;
   }
   return copy_node(n, std::move(args), {out}, attrs);
 }

@@ -90,15 +90,22 @@ int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {
   return (cfg.num_params * 4 + shards - 1) / shards;
 }
 
+int64_t tiled_loss_chunks(int64_t classes, int64_t hidden, int64_t chunks) {
+  if (chunks > 0) return chunks;
+  return std::max<int64_t>(
+      1, (classes + std::max<int64_t>(hidden, 1) - 1) / std::max<int64_t>(hidden, 1));
+}
+
 TiledLossWorkspace tiled_loss_workspace(TiledLossPass pass, int64_t classes, int64_t hidden,
-                                        int64_t weight_itemsize, int64_t fixed_rows) {
+                                        int64_t weight_itemsize, int64_t fixed_rows,
+                                        int64_t chunks) {
   const bool grads = pass != TiledLossPass::kForward;
   const int64_t k = grads ? 12 : 8;
   // One chunk's gradient of the weight, and (in the backward) its fp32 accumulator.
   int64_t accumulator = grads ? classes * hidden * weight_itemsize : 0;
   if (pass == TiledLossPass::kBackward) accumulator += classes * hidden * 4;
-  if (fixed_rows > 0) return {k * classes, k * classes * fixed_rows, accumulator};
-  return {k * hidden, 0, k * classes + accumulator};
+  if (fixed_rows > 0) return {k * classes, k * classes * fixed_rows, accumulator, 0};
+  return {k * classes, 0, k * classes + accumulator, tiled_loss_chunks(classes, hidden, chunks)};
 }
 
 int64_t tiled_rows_chunk(int64_t rows, int64_t in_bytes, int64_t inner_bytes, int64_t fixed_rows) {
@@ -317,6 +324,25 @@ Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions
   result.at_longest = at_lo;
   result.first_oom = at_hi;
   return result;
+}
+
+int64_t fewest_loss_chunks(const MemoryGraph& graph, int64_t seq, const MemoryOptions& options,
+                           int64_t budget_bytes, int64_t max_chunks) {
+  const bool tiled = std::any_of(graph.nodes.begin(), graph.nodes.end(),
+                                 [](const MemoryNode& n) { return !n.chunked_bytes.is_zero(); });
+  if (!tiled || max_chunks < 1) return 0;
+  MemoryOptions o = options;
+  auto fits = [&](int64_t chunks) {
+    o.loss_chunks = chunks;
+    return simulate_peak_memory(graph, seq, o).peak <= budget_bytes;
+  };
+  if (!fits(max_chunks)) return 0;
+  int64_t lo = 0, hi = max_chunks;  // lo does not fit (0: none tried), hi fits
+  while (hi > lo + 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? hi : lo) = mid;
+  }
+  return hi;
 }
 
 }  // namespace autosp

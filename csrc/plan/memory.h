@@ -87,8 +87,13 @@ struct MemoryNode {
   // FLOPs the op itself spends again, beyond `flops` (the tiled loss's backward recomputes
   // each chunk's logits): counted as recomputation, like the nodes remat recomputes.
   SeqFlops inner_recompute_flops;
-  SeqBytes alloc_bytes;         // the storage its output allocates (empty for an alias)
-  SeqBytes scratch_bytes;       // allocated while it runs, freed right after (unused tuple outputs)
+  SeqBytes alloc_bytes;    // the storage its output allocates (empty for an alias)
+  SeqBytes scratch_bytes;  // allocated while it runs, freed right after (unused tuple outputs)
+  // A tiled loss's chunk working set (tiled_loss_workspace): what it would hold were all its
+  // rows one chunk; while it runs it holds ceil(chunked_bytes / chunks) on top of
+  // scratch_bytes, with MemoryOptions::loss_chunks in place of `chunks` when that is set.
+  SeqBytes chunked_bytes;
+  int64_t chunks = 0;
   int32_t alias_of = -1;        // index of the node whose storage its output shares (views, waits)
   bool collective = false;      // its storage is a communication buffer (a collective's output)
   bool gradient = false;        // returned by the backward as a parameter's gradient
@@ -155,6 +160,9 @@ struct MemoryOptions {
   // layer ahead).
   bool offload_layer_outputs = false;
   bool offload_layer_saved = false;  // RematOptions::offload_layer_saved
+  // Chunks per tiled loss (SpConfig::loss_chunks) in place of those each node was traced with
+  // (MemoryNode::chunks); 0 keeps them.
+  int64_t loss_chunks = 0;
   TrainingConfig training;
 
   bool operator==(const MemoryOptions&) const = default;
@@ -200,31 +208,48 @@ struct MemoryBreakdown {
 int64_t optimizer_state_bytes(const TrainingConfig& cfg);
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
 
+// Chunks of a tiled loss's rows (SpConfig::loss_chunks): `chunks` when positive, else
+// ceil(classes / hidden), so that one chunk's [rows / chunks, classes] logits are the size of
+// the [rows, hidden] hidden states they come from (32 chunks for Llama-3-8B's 128,256 x 4096
+// lm_head, 63 for Llama-3.2-1B's x 2048). Each chunk holds ceil(rows / chunks) rows.
+//   tiled_loss_chunks(128256, 4096, 0) == 32; tiled_loss_chunks(1000, 10, 4) == 4
+int64_t tiled_loss_chunks(int64_t classes, int64_t hidden, int64_t chunks);
+
 // What a tiled loss op (python/autosp/tiled_loss.py) allocates and frees while it runs, for
-// its node's scratch_bytes: min(per_row * rows, cap) + constant, where rows are the rows of
-// h (no cap when cap is 0). Per element of one chunk's [rows, classes] logits, measured on CPU
-// for lm_head, .float() and the loss (tests/test_tiled_loss.py checks the prediction): the
-// forward holds 8 bytes (the chunk's logits and their log-softmax), the backward 12
+// its MemoryNode: `per_row` bytes per row of h in one chunk, and `constant` always. With
+// `fixed_rows` > 0 (AUTOSP_LOSS_TILE_ROWS: that many rows per chunk) the scratch is
+// min(per_row * rows, cap) + constant (`chunks` 0); otherwise the node's chunked_bytes are
+// per_row * rows, split over `chunks` (tiled_loss_chunks), and the constant covers the
+// rounding up of one chunk's rows. Per element of one chunk's [rows, classes] logits, measured
+// on CPU for lm_head, .float() and the loss (tests/test_tiled_loss.py checks the prediction):
+// the forward holds 8 bytes (the chunk's logits and their log-softmax), the backward 12
 // (recomputed logits, log-softmax and their gradients) plus the weight's gradient twice (the
 // fp32 accumulator and one chunk's, `weight_itemsize` bytes per element). The forward that
 // also computes the gradients (kForwardWithGrads, the loss of a scalar reduction) holds the
 // backward's 12 bytes and one chunk's weight gradient; its fp32 accumulator is one of the
-// op's outputs (saved for the backward), so not scratch. With chunks of
-// ceil(rows * hidden / classes) rows (`fixed_rows` 0) that is k * hidden bytes per row of h
-// plus at most one row of logits for the rounding; with a fixed number of rows per chunk,
-// k * classes per row up to one chunk.
-//   forward, classes 1000, hidden 10, auto rows: {80, 0, 8000}
-//   backward, classes 1000, hidden 10, itemsize 4, 16 rows: {12000, 192000, 80000}
-//   forward with grads, classes 1000, hidden 10, itemsize 2, auto rows: {120, 0, 32000}
+// op's outputs (saved for the backward), so not scratch.
+//   forward, classes 1000, hidden 10, chunks 0: {8000, 0, 8000, 100}
+//   backward, classes 1000, hidden 10, itemsize 4, 16 rows: {12000, 192000, 80000, 0}
+//   forward with grads, classes 1000, hidden 10, itemsize 2, chunks 4: {12000, 0, 32000, 4}
 enum class TiledLossPass { kForward, kBackward, kForwardWithGrads };
 struct TiledLossWorkspace {
   int64_t per_row = 0;
   int64_t cap = 0;
   int64_t constant = 0;
+  int64_t chunks = 0;
   bool operator==(const TiledLossWorkspace&) const = default;
 };
 TiledLossWorkspace tiled_loss_workspace(TiledLossPass pass, int64_t classes, int64_t hidden,
-                                        int64_t weight_itemsize, int64_t fixed_rows);
+                                        int64_t weight_itemsize, int64_t fixed_rows,
+                                        int64_t chunks);
+
+// The fewest chunks per tiled loss (MemoryOptions::loss_chunks, from 1 to `max_chunks`) whose
+// predicted peak at `seq` fits `budget_bytes`: each chunk reads the whole [classes, hidden]
+// weight, so fewer chunks are faster, and more hold less. 0 when even `max_chunks` does not
+// fit, or the graph has no tiled loss. The peak does not grow with the chunk count (nothing
+// else depends on it), so the search is a bisection.
+int64_t fewest_loss_chunks(const MemoryGraph& graph, int64_t seq, const MemoryOptions& options,
+                           int64_t budget_bytes, int64_t max_chunks);
 
 // Rows per chunk of a tiled row-wise block (SpConfig::tile_mlp, python/autosp/tiled_rows.py)
 // over `rows` rows, whose row operands hold `in_bytes` per row and whose intermediates

@@ -47,6 +47,11 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
   for (int32_t i = 0; i < n; ++i) {
     alloc[i] = nodes[i].alias_of >= 0 ? 0 : nodes[i].alloc_bytes.at(seq);
     scratch[i] = nodes[i].scratch_bytes.at(seq);
+    if (!nodes[i].chunked_bytes.is_zero()) {  // a tiled loss: one chunk of its rows at a time
+      const int64_t chunks = options.loss_chunks > 0 ? options.loss_chunks : nodes[i].chunks;
+      const int64_t whole = nodes[i].chunked_bytes.at(seq);
+      scratch[i] += chunks > 1 ? (whole + chunks - 1) / chunks : whole;
+    }
   }
   auto root = [&](int32_t i) {
     while (nodes[i].alias_of >= 0) i = nodes[i].alias_of;

@@ -36,6 +36,11 @@ struct SpConfig {
   // logits (logits also read elsewhere are still made for that reader). A loss the chunks
   // could not reproduce is left as written, with the reason in SpPlan::loss_tiling.
   bool tile_loss = false;
+  // Chunks of this rank's tokens per tiled loss (attribute loss_chunks of its cross_entropy
+  // node); 0: ceil(classes / hidden), the chunks whose logits are the size of the hidden states
+  // (tiled_loss_chunks, plan/memory.h). Fewer chunks are faster (each reads the whole weight),
+  // more hold less: fewest_loss_chunks picks them for a memory budget.
+  int64_t loss_chunks = 0;
   // Row-wise blocks (an MLP: linears and elementwise ops whose intermediates nothing else
   // reads, ending in a linear) run as one tiled_rows node over chunks of rows, recomputed in
   // backward (ALST's TiledMLP): one chunk's intermediates exist at a time. Reasons and blocks

@@ -275,6 +275,12 @@ class SpConfig:
     def tile_loss(self, arg: bool, /) -> None: ...
 
     @property
+    def loss_chunks(self) -> int: ...
+
+    @loss_chunks.setter
+    def loss_chunks(self, arg: int, /) -> None: ...
+
+    @property
     def tile_mlp(self) -> bool: ...
 
     @tile_mlp.setter
@@ -763,6 +769,18 @@ class MemoryNode:
     def scratch_bytes(self, arg: SeqBytes, /) -> None: ...
 
     @property
+    def chunked_bytes(self) -> SeqBytes: ...
+
+    @chunked_bytes.setter
+    def chunked_bytes(self, arg: SeqBytes, /) -> None: ...
+
+    @property
+    def chunks(self) -> int: ...
+
+    @chunks.setter
+    def chunks(self, arg: int, /) -> None: ...
+
+    @property
     def alias_of(self) -> int: ...
 
     @alias_of.setter
@@ -888,6 +906,12 @@ class MemoryOptions:
     def offload_layer_saved(self, arg: bool, /) -> None: ...
 
     @property
+    def loss_chunks(self) -> int: ...
+
+    @loss_chunks.setter
+    def loss_chunks(self, arg: int, /) -> None: ...
+
+    @property
     def training(self) -> TrainingConfig: ...
 
     @training.setter
@@ -1010,6 +1034,9 @@ class TiledLossWorkspace:
     @property
     def constant(self) -> int: ...
 
+    @property
+    def chunks(self) -> int: ...
+
 class TiledLossPass(enum.Enum):
     FORWARD = 0
 
@@ -1017,9 +1044,19 @@ class TiledLossPass(enum.Enum):
 
     FORWARD_WITH_GRADS = 2
 
-def tiled_loss_workspace(pass_: TiledLossPass, classes: int, hidden: int, weight_itemsize: int, fixed_rows: int) -> TiledLossWorkspace:
+def tiled_loss_workspace(pass_: TiledLossPass, classes: int, hidden: int, weight_itemsize: int, fixed_rows: int, chunks: int) -> TiledLossWorkspace:
     """
-    Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see csrc/plan/memory.h).
+    Scratch bytes of a tiled loss op: per_row bytes per row of one chunk, capped or split over chunks, + constant (see csrc/plan/memory.h).
+    """
+
+def tiled_loss_chunks(classes: int, hidden: int, chunks: int) -> int:
+    """
+    Chunks of a tiled loss's rows: `chunks` when positive, else ceil(classes / hidden).
+    """
+
+def fewest_loss_chunks(graph: MemoryGraph, seq: int, options: MemoryOptions, budget_bytes: int, max_chunks: int) -> int:
+    """
+    The fewest chunks per tiled loss, up to max_chunks, whose predicted peak at seq fits budget_bytes; 0 when none does or the graph has no tiled loss.
     """
 
 class TiledRowsWorkspace:

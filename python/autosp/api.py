@@ -127,10 +127,20 @@ def _check_outputs(outputs: str) -> None:
                           "rank's chunk of outputs sharded along the sequence.")
 
 
-def _check_tiling(**flags: Any) -> None:
+def _check_flags(loss_chunks: int | None = None, **flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise AutospError(f"[autosp:compile] found {name}={value!r}; expected True or False.")
+    if loss_chunks is None:
+        return
+    if not isinstance(loss_chunks, int) or isinstance(loss_chunks, bool) or loss_chunks < 1:
+        raise AutospError(f"[autosp:compile] found loss_chunks={loss_chunks!r}; expected a "
+                          "positive int (chunks of each rank's tokens per tiled loss), or None "
+                          "for ceil(vocab / hidden).")
+    if not flags.get("tile_loss"):
+        raise AutospError(f"[autosp:compile] found loss_chunks={loss_chunks} with "
+                          "tile_loss=False; expected tile_loss=True (the chunks are the tiled "
+                          "loss's).")
 
 
 def _check_unsupported(unsupported: str) -> None:
@@ -143,19 +153,22 @@ def _check_unsupported(unsupported: str) -> None:
 def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
                   remat_report: Any = None, outputs: str = "full",
                   unsupported: str = "gather", tile_loss: bool = False,
-                  tile_mlp: bool = False) -> SequenceParallelBackend:
+                  tile_mlp: bool = False, loss_chunks: int | None = None,
+                  dynamic: bool = True) -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
                                    backend=compiler, remat_report=remat_report,
                                    gather_outputs=outputs == "full",
                                    gather_unsupported=unsupported == "gather",
-                                   tile_loss=tile_loss, tile_mlp=tile_mlp)
+                                   tile_loss=tile_loss, tile_mlp=tile_mlp,
+                                   loss_chunks=loss_chunks or 0, dynamic=dynamic)
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
             backend: str = "inductor", outputs: str = "full",
             unsupported: str = "gather", tile_loss: bool = False,
-            tile_mlp: bool = False) -> SequenceParallelBackend:
+            tile_mlp: bool = False, loss_chunks: int | None = None,
+            dynamic: bool = True) -> SequenceParallelBackend:
     """The raw torch.compile backend, for ``torch.compile(model, backend=autosp.backend(mesh),
     fullgraph=True)``. Mark the sequence dim of the inputs dynamic yourself
     (``torch._dynamo.mark_dynamic(input_ids, seq_dim)``). ``outputs`` as in :func:`compile`.
@@ -165,9 +178,10 @@ def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware"
     _check_seq_dim(seq_dim)
     _check_outputs(outputs)
     _check_unsupported(unsupported)
-    _check_tiling(tile_loss=tile_loss, tile_mlp=tile_mlp)
+    _check_flags(loss_chunks, tile_loss=tile_loss, tile_mlp=tile_mlp, dynamic=dynamic)
     return _make_backend(mesh, seq_dim, remat, backend, outputs=outputs, unsupported=unsupported,
-                         tile_loss=tile_loss, tile_mlp=tile_mlp)
+                         tile_loss=tile_loss, tile_mlp=tile_mlp, loss_chunks=loss_chunks,
+                         dynamic=dynamic)
 
 
 def _logging_functions() -> set:
@@ -373,7 +387,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
             backend: str = "inductor", average_dp: bool = True,
             remat_report: Any = None, outputs: str = "full",
             check_inputs: str = "on_change", unsupported: str = "gather",
-            tile_loss: bool = False, tile_mlp: bool = False) -> SequenceParallelModule:
+            tile_loss: bool = False, tile_mlp: bool = False,
+            loss_chunks: int | None = None, dynamic: bool = True) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -420,6 +435,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     backward. Exact up to the order of the sum over tokens. A loss whose
     logits are also returned or read elsewhere is left as written;
     ``SequenceParallelModule.loss_tiling`` says, per loss, whether it was tiled and why not.
+    ``loss_chunks``: how many chunks of each rank's tokens (default ``ceil(vocab / hidden)``,
+    whose logits are the size of the hidden states). Fewer are faster, since each chunk reads
+    the whole weight, and hold more; ``autosp plan --gpu-memory`` reports the fewest that fit.
+
+    ``dynamic``: ``True`` (default) compiles one graph for every sequence length. ``False``
+    plans on the same symbolic trace but has AOTAutograd and Inductor compile the graph for
+    the shapes of each call, at its first call with them (autosp.specialize): about half
+    Inductor's time for one length (docs/compile_time.md), but a full compile per distinct
+    length, so for training at a fixed length (``autosp train`` does).
 
     ``tile_mlp``: run each row-wise block (an MLP or SwiGLU: linears and elementwise ops whose
     intermediates nothing else reads) a chunk of tokens at a time, recomputing each chunk in
@@ -434,11 +458,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
                           "or an autosp.remat.MemoryBudget or autosp.remat.Offload.")
     _check_outputs(outputs)
     _check_unsupported(unsupported)
-    _check_tiling(tile_loss=tile_loss, tile_mlp=tile_mlp)
+    _check_flags(loss_chunks, tile_loss=tile_loss, tile_mlp=tile_mlp, dynamic=dynamic)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported,
-                               tile_loss, tile_mlp)
+                               tile_loss, tile_mlp, loss_chunks, dynamic)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     shard.check_not_fsdp2(model)
     if shard.is_sharded(model):

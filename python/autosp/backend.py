@@ -22,6 +22,7 @@ from autosp.bridge import fx_to_core
 from autosp.decompose import decompose_composites
 from autosp.errors import AutospError, AutospGatherWarning, stage
 from autosp.remat_policy import BACKENDS  # the backend names, defined once
+from autosp.specialize import PerShapeCompiled
 
 
 @dataclass
@@ -52,6 +53,8 @@ class CompileRecord:
     loss_tiling: list[str] = field(default_factory=list)
     # With tile_mlp: per row-wise block, "tiled: ..." or "not tiled: <why>" (autosp.tiled_rows).
     mlp_tiling: list[str] = field(default_factory=list)
+    # With dynamic=False: the graph compiled per input shape (autosp.specialize), else None.
+    per_shape: Any = None
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -112,7 +115,7 @@ class SequenceParallelBackend:
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
                  remat_report: Any = None, gather_outputs: bool = True,
                  gather_unsupported: bool = True, tile_loss: bool = False,
-                 tile_mlp: bool = False) -> None:
+                 tile_mlp: bool = False, loss_chunks: int = 0, dynamic: bool = True) -> None:
         if backend not in BACKENDS:
             raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -124,6 +127,8 @@ class SequenceParallelBackend:
         self.gather_unsupported = gather_unsupported
         self.tile_loss = tile_loss
         self.tile_mlp = tile_mlp
+        self.loss_chunks = loss_chunks
+        self.dynamic = dynamic
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
@@ -172,6 +177,7 @@ class SequenceParallelBackend:
                 cfg.gather_unsupported = self.gather_unsupported
                 cfg.tile_loss = self.tile_loss
                 cfg.tile_mlp = self.tile_mlp
+                cfg.loss_chunks = self.loss_chunks
                 try:
                     plan = _core.plan_ulysses(bridge.graph, cfg)
                 except _core.PlanError as e:
@@ -194,6 +200,13 @@ class SequenceParallelBackend:
                                         time.perf_counter() - t2))
         finally:
             self._dump(rec)
-        with stage("compile"):
-            return compile_graph(new_gm, list(example_inputs), remat=self.remat, backend=self.backend,
-                                 report=self.remat_report)
+        def compile_fn(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
+            with stage("compile"):
+                return compile_graph(gm, inputs, remat=self.remat, backend=self.backend,
+                                     report=self.remat_report)
+
+        if self.dynamic:
+            return compile_fn(new_gm, list(example_inputs))
+        # Planned with S symbolic; compiled with each call's static shapes (autosp.specialize).
+        rec.per_shape = PerShapeCompiled(new_gm, compile_fn)
+        return rec.per_shape

@@ -256,13 +256,17 @@ def _memory_graph(
                     m.alloc_bytes = _to_seq_bytes(_tensor_bytes_expr(val, shape_env), seq)
             work = tiled_loss.workspace(n)
             if work is not None:
-                per_row, cap, constant = work
+                per_row, cap, constant, chunks = work
                 h = tiled_loss.h_node(n)
                 rows = math.prod(_canonical(d, shape_env) for d in h.meta["val"].shape[:-1])
+                whole = _to_seq_bytes(rows * per_row, seq)
                 terms = list(m.scratch_bytes.terms)
-                for t in _to_seq_bytes(rows * per_row, seq).terms:
-                    t.cap = cap  # a fixed number of rows per chunk: one chunk at a time
-                    terms.append(t)
+                if chunks:  # split over the chunks (MemoryOptions.loss_chunks may change them)
+                    m.chunked_bytes, m.chunks = whole, chunks
+                else:
+                    for t in whole.terms:
+                        t.cap = cap  # a fixed number of rows per chunk: one chunk at a time
+                        terms.append(t)
                 m.scratch_bytes = _core.SeqBytes(terms + [_core.SeqTerm(constant, 0, 1)])
             block = tiled_rows.workspace(n)
             if block is not None:

@@ -88,6 +88,11 @@ class StrategyPlan:
     tile_mlp: bool = False  # autosp.compile(tile_mlp=True)
     offload: bool = False  # remat=autosp.remat.Offload(...)
     offload_all: bool = False  # remat=autosp.remat.Offload(..., saved="all") (with offload)
+    # With the tiled loss: its chunks in the prediction (plan(loss_chunks=...), else the rule
+    # ceil(vocab / hidden)), and the fewest that fit gpu_memory at seq_len (0: none fits), the
+    # fastest choice for autosp.compile(loss_chunks=...).
+    loss_chunks: int = 0
+    fit_loss_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,11 @@ class PlanResult:
                 f"{best.name} (+{100 * best.at_seq.overhead:.0f}% predicted step time: "
                 f"recomputation, and offload's copies at {DEVICE_FLOPS / 1e12:.0f} TFLOP/s "
                 "if they did not overlap)" if best else "none"))
+        if best is not None and best.fit_loss_chunks:
+            lines.append(
+                f"  its tiled loss fits in {best.fit_loss_chunks} chunks of each rank's tokens "
+                f"(predicted above with {best.loss_chunks}): autosp.compile(tile_loss=True, "
+                f"loss_chunks={best.fit_loss_chunks}); fewer chunks read the weight fewer times")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

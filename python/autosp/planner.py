@@ -75,8 +75,10 @@ _STRATEGY_ENUM = {
 
 
 def _core_options(remat: str, dtype: str, num_params: int, shards: int,
-                  param_shards: int = 1, offload: bool = False, offload_all: bool = False) -> Any:
+                  param_shards: int = 1, offload: bool = False, offload_all: bool = False,
+                  loss_chunks: int = 0) -> Any:
     options = _core.MemoryOptions()
+    options.loss_chunks = loss_chunks
     options.strategy = getattr(_core.RematStrategy, _STRATEGY_ENUM[remat])
     options.offload_layer_outputs = offload or offload_all
     options.offload_layer_saved = offload_all
@@ -190,6 +192,7 @@ def plan(
     strategies: Sequence[str] | None = None,
     curve_points: int = 24,
     plot: str | Path | None = None,
+    loss_chunks: int = 0,
 ) -> PlanResult:
     """Predicted peak memory per rank and the longest trainable sequence for each strategy.
 
@@ -201,7 +204,10 @@ def plan(
     GPUs (``autosp.fully_shard``, ZeRO-3; ``optimizer_sharding`` is then moot): each layer's
     parameters are gathered where they are used. ``seq_len``: where to report the peak and breakdown (default: the
     longest S of ``ulysses + sequence-aware``). With ``plot``, writes a PNG of predicted peak
-    against S per strategy with the budget line.
+    against S per strategy with the budget line. ``loss_chunks``: chunks per tiled loss, as
+    ``autosp.compile(loss_chunks=...)`` (0: ``ceil(vocab / hidden)``); each tiled-loss strategy
+    also reports the fewest chunks that fit ``gpu_memory`` at ``seq_len``
+    (``StrategyPlan.fit_loss_chunks``: fewer chunks read the weight fewer times).
     """
     name, config = load_model_config(model)
     for label, v in (("gpus", gpus), ("batch_size", batch_size), ("seq_multiple", seq_multiple)):
@@ -229,6 +235,9 @@ def plan(
     multiple = seq_multiple * sp // math.gcd(seq_multiple, sp)
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise AutospError(f"[plan] found seq_len={seq_len!r}; expected a positive integer")
+    if not isinstance(loss_chunks, int) or isinstance(loss_chunks, bool) or loss_chunks < 0:
+        raise AutospError(f"[plan] found loss_chunks={loss_chunks!r}; expected a positive "
+                          "integer, or 0 for ceil(vocab / hidden)")
 
     results: list[tuple[Choice, int, int, Any, Any]] = []
     traces: dict[tuple[int, bool, bool], TracedStep] = {}
@@ -245,7 +254,7 @@ def plan(
         shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
         options = _core_options(c.remat, dtype, traced.num_params, shards,
                                 param_shards=gpus if fsdp else 1, offload=c.offload,
-                                offload_all=c.offload_all)
+                                offload_all=c.offload_all, loss_chunks=loss_chunks)
         query = _core.TrainabilityQuery()
         query.budget_bytes = budget
         query.seq_multiple = multiple
@@ -265,10 +274,15 @@ def plan(
 
     plans = []
     for c, p, dp, found, (traced, options) in results:
-        at_seq = None
+        at_seq, chunks, fit_chunks = None, 0, 0
+        if c.tile_loss:
+            chunks = loss_chunks or max((n.chunks for n in traced.graph.nodes), default=0)
         if seq_len % p == 0:
             at_seq = MemoryPrediction.from_core(
                 _core.simulate_peak_memory(traced.graph, seq_len, options))
+            if chunks:
+                fit_chunks = _core.fewest_loss_chunks(traced.graph, seq_len, options, budget,
+                                                      chunks)
         curve = tuple(
             (s, _core.simulate_peak_memory(traced.graph, s, options).peak) for s in grid
         )
@@ -277,7 +291,7 @@ def plan(
             tile_mlp=c.tile_mlp, offload=c.offload, offload_all=c.offload_all, sp_size=p, dp_size=dp,
             longest_seq=found.longest_seq, capped=found.capped,
             at_longest=MemoryPrediction.from_core(found.at_longest) if found.longest_seq else None,
-            at_seq=at_seq, curve=curve,
+            at_seq=at_seq, curve=curve, loss_chunks=chunks, fit_loss_chunks=fit_chunks,
         ))
     result = PlanResult(
         model=name, config=config, gpus=gpus, sp=sp, gpu_memory=budget, dtype=dtype,
@@ -368,6 +382,9 @@ def _parser() -> argparse.ArgumentParser:
                         "ulysses+full+tiled-loss' (+tiled-loss: autosp.compile(tile_loss=True); "
                         "+tiled-mlp: tile_mlp=True; +offload: remat=Offload(...)), or 'all' "
                         "(every combination)")
+    p.add_argument("--loss-chunks", type=int, default=0,
+                   help="chunks per tiled loss (autosp.compile(loss_chunks=...); 0: "
+                        "ceil(vocab / hidden)); the report also gives the fewest that fit")
     p.add_argument("--plot", default=None,
                    help="PNG to write (default: autosp-plan-<model>.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write a plot")
@@ -389,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype, batch_size=args.batch_size,
             optimizer_sharding=args.optimizer_sharding, fsdp=args.fsdp, seq_len=args.seq_len,
             seq_multiple=args.seq_multiple, max_seq=args.max_seq, strategies=strategies,
-            plot=plot_path,
+            plot=plot_path, loss_chunks=args.loss_chunks,
         )
     except AutospError as e:
         print(f"autosp plan: error: {e}", file=sys.stderr)

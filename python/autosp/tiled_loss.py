@@ -24,8 +24,11 @@ Exactness: each row's loss is the computation one device does for that row (the 
 matmul row, casts, ops and loss), so the sum differs from the untiled one only by the order
 of its additions.
 
-Chunk size (:func:`chunk_rows`): ``AUTOSP_LOSS_TILE_ROWS`` if set, else chunks whose logits
-hold as many elements as the hidden states they come from.
+Chunk size (:func:`chunk_rows`): ``AUTOSP_LOSS_TILE_ROWS`` rows if set, else the rows split
+into ``autosp.compile(loss_chunks=...)`` chunks, by default ``ceil(classes / hidden)``: each
+chunk's logits then hold as many elements as the hidden states they come from (the core's
+``tiled_loss_chunks``). Fewer chunks are faster, since each reads the whole weight;
+``autosp plan`` and ``autosp train --remat auto`` pick the fewest that fit the memory budget.
 """
 
 from __future__ import annotations
@@ -49,16 +52,17 @@ from autosp.tiled_ops import (Recipes, autocast_state, replayed_autocast,
 _RECIPES = Recipes("loss recipe")
 
 
-def chunk_rows(rows: int, classes: int, hidden: int) -> int:
-    """Rows per chunk: ``AUTOSP_LOSS_TILE_ROWS`` if set, else ``ceil(rows * hidden / classes)``,
-    so that one chunk's ``[chunk, classes]`` logits hold as many elements as the hidden states
-    ``[rows, hidden]`` they come from: the loss's working set then stays the size of one
-    activation, whatever the vocabulary (``classes / hidden`` chunks; 32 for Llama-3's
-    128256 / 4096)."""
+def chunk_rows(rows: int, classes: int, hidden: int, chunks: int = 0) -> int:
+    """Rows per chunk: ``AUTOSP_LOSS_TILE_ROWS`` if set, else ``ceil(rows / n)`` for ``n``
+    chunks: ``chunks`` when positive, else ``ceil(classes / hidden)`` (``_core.tiled_loss_chunks``),
+    so that one chunk's ``[rows / n, classes]`` logits hold as many elements as the hidden
+    states ``[rows, hidden]`` they come from: the loss's working set then stays the size of one
+    activation, whatever the vocabulary (32 chunks for Llama-3's 128256 / 4096)."""
     fixed = env_rows()
     if fixed is not None:
         return fixed
-    return max(1, -(-rows * hidden // max(1, classes)))
+    n = _core.tiled_loss_chunks(classes, hidden, chunks)
+    return max(1, -(-rows // n))
 
 
 def env_rows() -> int | None:
@@ -76,8 +80,8 @@ def env_rows() -> int | None:
     return rows
 
 
-def _chunks(rows: int, classes: int, hidden: int) -> list[tuple[int, int]]:
-    t = chunk_rows(rows, classes, hidden)
+def _chunks(rows: int, classes: int, hidden: int, chunks: int) -> list[tuple[int, int]]:
+    t = chunk_rows(rows, classes, hidden, chunks)
     return [(s, min(rows, s + t)) for s in range(0, rows, t)]
 
 
@@ -85,11 +89,12 @@ _PASSES = {"tiled_head_loss": "FORWARD", "tiled_head_loss_backward": "BACKWARD",
            "tiled_head_loss_with_grads": "FORWARD_WITH_GRADS"}
 
 
-def workspace(node: fx.Node) -> tuple[int, int, int] | None:
+def workspace(node: fx.Node) -> tuple[int, int, int, int] | None:
     """What a tiled loss op of a joint graph allocates and frees while it runs, for ``autosp
-    plan``'s memory model, as ``(bytes per row of h, cap, constant)``: the workspace is
-    ``min(bytes per row * rows, cap) + constant`` (no cap when 0); None for any other node.
-    The estimate is the core's (``_core.tiled_loss_workspace``, csrc/plan/memory.h)."""
+    plan``'s memory model, as ``(bytes per row of h in one chunk, cap, constant, chunks)``:
+    with ``AUTOSP_LOSS_TILE_ROWS`` the workspace is ``min(bytes per row * rows, cap) +
+    constant`` (chunks 0), else ``bytes per row * rows / chunks + constant``; None for any other
+    node. The estimate is the core's (``_core.tiled_loss_workspace``, csrc/plan/memory.h)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "autosp" \
             or target._opname not in _PASSES:
@@ -97,8 +102,14 @@ def workspace(node: fx.Node) -> tuple[int, int, int] | None:
     weight = weight_node(node).meta["val"]
     w = _core.tiled_loss_workspace(getattr(_core.TiledLossPass, _PASSES[target._opname]),
                                    int(weight.shape[0]), int(weight.shape[1]),
-                                   weight.dtype.itemsize, env_rows() or 0)
-    return w.per_row, w.cap, w.constant
+                                   weight.dtype.itemsize, env_rows() or 0, op_chunks(node))
+    return w.per_row, w.cap, w.constant, w.chunks
+
+
+def op_chunks(node: fx.Node) -> int:
+    """The ``chunks`` argument of a tiled loss op's node (its last; 0: the default rule)."""
+    return int(node.args[-1]) if node.args and isinstance(node.args[-1], int) \
+        and not isinstance(node.args[-1], bool) else 0
 
 
 def h_node(node: fx.Node) -> fx.Node:
@@ -199,11 +210,13 @@ def emit(graph: fx.Graph, fxn: fx.Node, cn: Any, bridge: Any, ins: list[fx.Node 
     out = fxn.meta["example_value"]
     _, target, h, weight, bias = ins
     args = (h, weight, bias, target, key, reduction, int(cn.attrs["ignore_index"]), out.dtype)
+    chunks = int(cn.attrs.get("loss_chunks", 0))
     if reduction == "none" or not _requires_grad(fxn) or os.environ.get(
             "AUTOSP_LOSS_RECOMPUTE", "").strip() == "1":
-        return graph.call_function(torch.ops.autosp.tiled_head_loss.default, args)
+        return graph.call_function(torch.ops.autosp.tiled_head_loss.default, args + (chunks,))
     wants = (_requires_grad(h), _requires_grad(weight), bias is not None and _requires_grad(bias))
-    fused = graph.call_function(torch.ops.autosp.tiled_head_loss_with_grads.default, args + wants)
+    fused = graph.call_function(torch.ops.autosp.tiled_head_loss_with_grads.default,
+                                args + wants + (chunks,))
     return graph.call_function(operator.getitem, (fused, 0))
 
 

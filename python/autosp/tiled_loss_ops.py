@@ -36,7 +36,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 def _chunk_grads(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  target: torch.Tensor, recipe: int, reduction: str, seed: torch.Tensor,
-                 wrt: tuple[bool, bool, bool]
+                 wrt: tuple[bool, bool, bool], chunks: int
                  ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each chunk's loss, back-propagated from ``seed`` (a scalar, or one value per row for
     reduction "none"): the chunks' losses, h's gradient ([rows, D], in h's dtype), and the
@@ -57,7 +57,7 @@ def _chunk_grads(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
         w = weight.detach().requires_grad_(wrt[1])
         b = bias.detach().requires_grad_(wrt[2]) if bias is not None else None
-        for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1]):
+        for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1], chunks):
             hc = h2[s:e].detach().requires_grad_(wrt[0])
             loss = run(hc, w, b, t[s:e], each)
             parts.append(loss.detach())
@@ -84,27 +84,28 @@ def _chunk_grads(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 @torch.library.custom_op("autosp::tiled_head_loss", mutates_args=())
 def tiled_head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     target: torch.Tensor, recipe: int, reduction: str, ignore_index: int,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+                    out_dtype: torch.dtype, chunks: int) -> torch.Tensor:
     """The loss of ``recipe`` over all rows of ``h`` ([..., D], the targets [...]), a chunk of
     rows at a time. ``reduction``: "sum", "mean" (over the targets not equal to
-    ``ignore_index``, as F.cross_entropy) or "none" (one loss per row)."""
+    ``ignore_index``, as F.cross_entropy) or "none" (one loss per row). ``chunks``: how many
+    chunks of rows (0: ``ceil(classes / hidden)``; autosp.tiled_loss.chunk_rows)."""
     h2, t = _rows(h, target)
     run = _RECIPES[recipe]
     each = "none" if reduction == "none" else "sum"
     parts = [run(h2[s:e], weight, bias, t[s:e], each)
-             for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1])]
+             for s, e in _chunks(h2.shape[0], weight.shape[0], weight.shape[1], chunks)]
     return _reduce(parts, t, reduction, ignore_index, h2.new_zeros((), dtype=out_dtype)).to(out_dtype)
 
 
 @tiled_head_loss.register_fake
-def _(h, weight, bias, target, recipe, reduction, ignore_index, out_dtype):
+def _(h, weight, bias, target, recipe, reduction, ignore_index, out_dtype, chunks):
     return h.new_empty((target.numel(),) if reduction == "none" else (), dtype=out_dtype)
 
 
 @torch.library.custom_op("autosp::tiled_head_loss_backward", mutates_args=())
 def tiled_head_loss_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None, target: torch.Tensor, recipe: int,
-                             reduction: str, ignore_index: int
+                             reduction: str, ignore_index: int, chunks: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of h, weight and bias (an empty tensor without one): each chunk's forward
     recomputed and back-propagated; the weight's and bias's summed over chunks in fp32, as one
@@ -112,29 +113,29 @@ def tiled_head_loss_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.
     t = target.reshape(-1)
     g = grad / (t != ignore_index).sum() if reduction == "mean" else grad
     _, dh, dw, db = _chunk_grads(h, weight, bias, target, recipe, reduction, g,
-                                 (True, True, True))
+                                 (True, True, True), chunks)
     return dh.reshape(h.shape), dw.to(weight.dtype), db.to(weight.dtype if bias is None else bias.dtype)
 
 
 @tiled_head_loss_backward.register_fake
-def _(grad, h, weight, bias, target, recipe, reduction, ignore_index):
+def _(grad, h, weight, bias, target, recipe, reduction, ignore_index, chunks):
     db = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
     return torch.empty_like(h), torch.empty_like(weight), db
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    h, weight, bias, target, recipe, reduction, ignore, _ = inputs
+    h, weight, bias, target, recipe, reduction, ignore, _, chunks = inputs
     # The targets are saved as a copy: a batch tensor the caller refills between forward and
     # backward must not change the loss the backward recomputes.
     ctx.save_for_backward(h, weight, bias, target.clone())
-    ctx.recipe, ctx.reduction, ctx.ignore = recipe, reduction, ignore
+    ctx.recipe, ctx.reduction, ctx.ignore, ctx.chunks = recipe, reduction, ignore, chunks
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
     h, weight, bias, target = ctx.saved_tensors
     dh, dw, db = tiled_head_loss_backward(grad, h, weight, bias, target, ctx.recipe,
-                                          ctx.reduction, ctx.ignore)
-    return dh, dw, (db if bias is not None else None), None, None, None, None, None
+                                          ctx.reduction, ctx.ignore, ctx.chunks)
+    return dh, dw, (db if bias is not None else None), None, None, None, None, None, None
 
 
 tiled_head_loss.register_autograd(_backward, setup_context=_setup_context)
@@ -144,7 +145,7 @@ tiled_head_loss.register_autograd(_backward, setup_context=_setup_context)
 def tiled_head_loss_with_grads(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                target: torch.Tensor, recipe: int, reduction: str,
                                ignore_index: int, out_dtype: torch.dtype, grad_h: bool,
-                               grad_weight: bool, grad_bias: bool
+                               grad_weight: bool, grad_bias: bool, chunks: int
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scalar loss of ``recipe`` (reduction "sum" or "mean") over the rows of ``h``, and
     the gradients of h, the weight and the bias (fp32) for a loss gradient of 1, computed
@@ -156,14 +157,14 @@ def tiled_head_loss_with_grads(h: torch.Tensor, weight: torch.Tensor, bias: torc
     if reduction == "mean":
         seed = seed / (t != ignore_index).sum()
     parts, dh, dw, db = _chunk_grads(h, weight, bias, target, recipe, reduction, seed,
-                                     (grad_h, grad_weight, grad_bias))
+                                     (grad_h, grad_weight, grad_bias), chunks)
     loss = _reduce(parts, t, reduction, ignore_index, h.new_zeros((), dtype=out_dtype))
     return loss.to(out_dtype), dh.reshape(h.shape) if grad_h else dh, dw, db
 
 
 @tiled_head_loss_with_grads.register_fake
 def _(h, weight, bias, target, recipe, reduction, ignore_index, out_dtype, grad_h, grad_weight,
-      grad_bias):
+      grad_bias, chunks):
     acc = torch.promote_types(weight.dtype, torch.float32)
     empty = weight.new_empty((0,), dtype=acc)
     return (h.new_empty((), dtype=out_dtype), torch.empty_like(h) if grad_h else h.new_empty((0,)),
@@ -193,7 +194,7 @@ def _backward_with_grads(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple:
     return ((dh * rows).to(h_dtype) if want_h else None,
             (dw * whole).to(w_dtype) if want_w else None,
             (db * whole).to(b_dtype) if want_b and b_dtype is not None else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 tiled_head_loss_with_grads.register_autograd(_backward_with_grads, setup_context=_setup_with_grads)

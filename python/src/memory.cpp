@@ -68,6 +68,8 @@ void init_memory(nb::module_& m) {
       .def_rw("inner_recompute_flops", &MemoryNode::inner_recompute_flops)
       .def_rw("alloc_bytes", &MemoryNode::alloc_bytes)
       .def_rw("scratch_bytes", &MemoryNode::scratch_bytes)
+      .def_rw("chunked_bytes", &MemoryNode::chunked_bytes)
+      .def_rw("chunks", &MemoryNode::chunks)
       .def_rw("alias_of", &MemoryNode::alias_of)
       .def_rw("collective", &MemoryNode::collective)
       .def_rw("gradient", &MemoryNode::gradient)
@@ -108,6 +110,7 @@ void init_memory(nb::module_& m) {
       .def_rw("max_dist_from_bw", &MemoryOptions::max_dist_from_bw)
       .def_rw("offload_layer_outputs", &MemoryOptions::offload_layer_outputs)
       .def_rw("offload_layer_saved", &MemoryOptions::offload_layer_saved)
+      .def_rw("loss_chunks", &MemoryOptions::loss_chunks)
       .def_rw("training", &MemoryOptions::training);
 
   nb::class_<MemoryBreakdown>(m, "MemoryBreakdown")
@@ -162,15 +165,28 @@ void init_memory(nb::module_& m) {
   nb::class_<TiledLossWorkspace>(m, "TiledLossWorkspace")
       .def_ro("per_row", &TiledLossWorkspace::per_row)
       .def_ro("cap", &TiledLossWorkspace::cap)
-      .def_ro("constant", &TiledLossWorkspace::constant);
+      .def_ro("constant", &TiledLossWorkspace::constant)
+      .def_ro("chunks", &TiledLossWorkspace::chunks);
   nb::enum_<TiledLossPass>(m, "TiledLossPass")
       .value("FORWARD", TiledLossPass::kForward)
       .value("BACKWARD", TiledLossPass::kBackward)
       .value("FORWARD_WITH_GRADS", TiledLossPass::kForwardWithGrads);
   m.def("tiled_loss_workspace", &tiled_loss_workspace, "pass_"_a, "classes"_a, "hidden"_a,
-        "weight_itemsize"_a, "fixed_rows"_a,
-        "Scratch bytes of a tiled loss op: min(per_row * rows, cap) + constant (see "
-        "csrc/plan/memory.h).");
+        "weight_itemsize"_a, "fixed_rows"_a, "chunks"_a,
+        "Scratch bytes of a tiled loss op: per_row bytes per row of one chunk, capped or split "
+        "over chunks, + constant (see csrc/plan/memory.h).");
+  m.def("tiled_loss_chunks", &tiled_loss_chunks, "classes"_a, "hidden"_a, "chunks"_a,
+        "Chunks of a tiled loss's rows: `chunks` when positive, else ceil(classes / hidden).");
+  m.def(
+      "fewest_loss_chunks",
+      [](const MemoryGraph& g, int64_t seq, const MemoryOptions& o, int64_t budget,
+         int64_t max_chunks) {
+        nb::gil_scoped_release release;
+        return fewest_loss_chunks(g, seq, o, budget, max_chunks);
+      },
+      "graph"_a, "seq"_a, "options"_a, "budget_bytes"_a, "max_chunks"_a,
+      "The fewest chunks per tiled loss, up to max_chunks, whose predicted peak at seq fits "
+      "budget_bytes; 0 when none does or the graph has no tiled loss.");
   nb::class_<TiledRowsWorkspace>(m, "TiledRowsWorkspace")
       .def_ro("per_row", &TiledRowsWorkspace::per_row)
       .def_ro("capped_per_row", &TiledRowsWorkspace::capped_per_row)

@@ -49,6 +49,7 @@ void init_sp(nb::module_& m) {
       .def_rw("gather_outputs", &SpConfig::gather_outputs)
       .def_rw("gather_unsupported", &SpConfig::gather_unsupported)
       .def_rw("tile_loss", &SpConfig::tile_loss)
+      .def_rw("loss_chunks", &SpConfig::loss_chunks)
       .def_rw("tile_mlp", &SpConfig::tile_mlp);
 
   nb::class_<SpPlan>(m, "SpPlan")

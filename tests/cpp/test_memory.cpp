@@ -453,19 +453,55 @@ TEST(MemoryOffload, EverySavedTensorOfALayerLeavesTheDevice) {
 }
 
 TEST(MemoryTiledLoss, WorkspaceOfTheTiledLossOp) {
-  // Chunks of ceil(rows * hidden / classes) rows: k * hidden per row of h, and one row of logits.
-  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForward, 1000, 10, 4, 0),
-            (TiledLossWorkspace{80, 0, 8000}));
+  // ceil(classes / hidden) chunks: k * classes per row of h over 100 chunks (k * hidden per
+  // row), and one row of logits for the rounding up of a chunk's rows.
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForward, 1000, 10, 4, 0, 0),
+            (TiledLossWorkspace{8000, 0, 8000, 100}));
   // The backward adds the weight gradient's fp32 accumulator and one chunk's (bf16: 2 bytes).
-  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 2, 0),
-            (TiledLossWorkspace{120, 0, 12000 + 1000 * 10 * 6}));
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 2, 0, 0),
+            (TiledLossWorkspace{12000, 0, 12000 + 1000 * 10 * 6, 100}));
   // A fixed number of rows per chunk: k * classes per row, capped at one chunk.
-  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 4, 16),
-            (TiledLossWorkspace{12000, 192000, 80000}));
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kBackward, 1000, 10, 4, 16, 7),
+            (TiledLossWorkspace{12000, 192000, 80000, 0}));
   // The forward that computes the gradients holds the backward's 12 bytes per element and one
   // chunk's weight gradient; its fp32 accumulator is an output of the op, not scratch.
-  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForwardWithGrads, 1000, 10, 2, 0),
-            (TiledLossWorkspace{120, 0, 12000 + 1000 * 10 * 2}));
+  EXPECT_EQ(tiled_loss_workspace(TiledLossPass::kForwardWithGrads, 1000, 10, 2, 0, 4),
+            (TiledLossWorkspace{12000, 0, 12000 + 1000 * 10 * 2, 4}));
+}
+
+TEST(MemoryTiledLoss, ChunksOfTheRule) {
+  EXPECT_EQ(tiled_loss_chunks(128256, 4096, 0), 32);  // Llama-3-8B's lm_head
+  EXPECT_EQ(tiled_loss_chunks(128256, 2048, 0), 63);  // Llama-3.2-1B's
+  EXPECT_EQ(tiled_loss_chunks(1000, 10, 4), 4);
+  EXPECT_EQ(tiled_loss_chunks(10, 1000, 0), 1);  // classes fewer than hidden: one chunk
+}
+
+// one_layer with a tiled loss at "loss" (node 4) holding 1000 bytes per token were all rows
+// one chunk. At S = 10, policy none: the forward peaks at the loss with params 100, optimizer
+// 200, x 80, the saved b 160, the loss 4 and the chunk: 544 + 10000 / chunks; the backward
+// peaks at 708 (OneLayerPeakByHand).
+TEST(MemoryTiledLoss, ChunksSplitTheWorkspaceAndTheFewestThatFitArePicked) {
+  MemoryGraph g = one_layer();
+  g.nodes[4].chunked_bytes = SeqBytes::term(1000, 1);
+  g.nodes[4].chunks = 10;
+  MemoryOptions o = fp32_options(RematStrategy::kNone, 25);
+  MemoryBreakdown b = simulate_peak_memory(g, 10, o);
+  EXPECT_EQ(b.peak, 544 + 1000);
+  EXPECT_EQ(b.peak_node, "loss");
+  o.loss_chunks = 4;  // in place of the node's 10
+  EXPECT_EQ(simulate_peak_memory(g, 10, o).peak, 544 + 2500);
+  o.loss_chunks = 3;  // rounded up
+  EXPECT_EQ(simulate_peak_memory(g, 10, o).peak, 544 + 3334);
+  o.loss_chunks = 0;
+  // The fewest chunks whose peak fits: 4 fit 3044 bytes, 3 do not.
+  EXPECT_EQ(fewest_loss_chunks(g, 10, o, 544 + 2500, 100), 4);
+  EXPECT_EQ(fewest_loss_chunks(g, 10, o, 544 + 2499, 100), 5);
+  EXPECT_EQ(fewest_loss_chunks(g, 10, o, 1 << 20, 100), 1);
+  // Not even max_chunks fits (2), or nothing does (the backward's 708): 0.
+  EXPECT_EQ(fewest_loss_chunks(g, 10, o, 544 + 2500, 2), 0);
+  EXPECT_EQ(fewest_loss_chunks(g, 10, o, 700, 100), 0);
+  // No tiled loss in the graph: 0.
+  EXPECT_EQ(fewest_loss_chunks(one_layer(), 10, o, 1 << 20, 100), 0);
 }
 
 TEST(MemoryTrainability, LongestMultipleUnderBudget) {

@@ -89,6 +89,9 @@ class TrainingConfig:
     tile_loss: bool = _f(True, "compute the loss over lm_head a chunk of tokens at a time, so that "
                                "the [tokens, vocab] logits never exist whole (autosp.compile("
                                "tile_loss=True); exact)")
+    loss_chunks: int = _f(0, "chunks of each rank's tokens per tiled loss (autosp.compile("
+                             "loss_chunks=...); 0: ceil(vocab / hidden), or with remat auto the "
+                             "fewest that fit memory_gib (fewer chunks are faster)")
     tile_mlp: bool = _f(False, "run each MLP a chunk of tokens at a time, recomputed in backward, "
                                "so that its [tokens, ffn] intermediates never exist whole "
                                "(autosp.compile(tile_mlp=True); exact)")
@@ -156,6 +159,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "training.lr": (_POSITIVE, None), "training.warmup_steps": (0, None),
     "training.min_lr_ratio": (0, 1), "training.weight_decay": (0, None),
     "training.max_grad_norm": (0, None), "training.remat_budget_gib": (0, None),
+    "training.loss_chunks": (0, None),
     "training.memory_gib": (0, None),
     "training.check_atol": (0, None),
     "parallel.nproc": (1, None), "parallel.sp": (0, None), "parallel.timeout_s": (_POSITIVE, None),

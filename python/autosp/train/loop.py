@@ -139,7 +139,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         remat = Offload(remat, saved="all" if t.offload_all else "layer outputs")
     compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=t.backend,
                               remat_report=flops_report, tile_loss=t.tile_loss,
-                              tile_mlp=t.tile_mlp)
+                              tile_mlp=t.tile_mlp,
+                              loss_chunks=t.loss_chunks if t.tile_loss and t.loss_chunks else None,
+                              dynamic=False)  # every batch is [batch_size, seq_len]
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)

@@ -39,7 +39,8 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
                              dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
                              batch_size=t.batch_size, optimizer_sharding="none",
                              fsdp=cfg.parallel.fsdp, seq_len=t.seq_len, strategies=[strategy],
-                             seq_multiple=t.seq_len, max_seq=t.seq_len, curve_points=2)
+                             seq_multiple=t.seq_len, max_seq=t.seq_len, curve_points=2,
+                             loss_chunks=t.loss_chunks if t.tile_loss else 0)
     except Exception as e:  # a model the planner does not model: the run goes on without
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return None, f"autosp plan: no prediction for this model ({first})"
@@ -82,7 +83,8 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
                              batch_size=t.batch_size, optimizer_sharding="none",
                              fsdp=cfg.parallel.fsdp, seq_len=t.seq_len, gpu_memory=budget,
                              strategies=combinations("ulysses"), seq_multiple=t.seq_len,
-                             max_seq=t.seq_len, curve_points=2)
+                             max_seq=t.seq_len, curve_points=2,
+                             loss_chunks=t.loss_chunks if t.tile_loss else 0)
     except AutospError as e:
         raise AutospError(f"[autosp:train] training.remat = 'auto' needs autosp plan's "
                           f"prediction for this model, which failed: {e}") from None
@@ -97,7 +99,12 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
             "expected a shorter seq_len, more ranks in the SP group, or more memory")
     t.remat, t.tile_loss, t.tile_mlp = best.remat, best.tile_loss, best.tile_mlp
     t.offload, t.offload_all = best.offload, best.offload_all
-    return (f"autosp plan: remat auto chose {best.name}: predicted peak "
+    chunks = ""
+    if best.tile_loss and best.fit_loss_chunks and not t.loss_chunks:
+        t.loss_chunks = best.fit_loss_chunks  # the fewest that fit: the fastest
+        chunks = (f" with {t.loss_chunks} loss chunks, the fewest predicted to fit (the peak "
+                  f"below is with the rule's {best.loss_chunks})")
+    return (f"autosp plan: remat auto chose {best.name}{chunks}: predicted peak "
             f"{best.at_seq.peak / gib:.3f} GiB of {budget / gib:.2f}, "
             f"+{100 * best.at_seq.overhead:.0f}% predicted step time "
             f"({time.perf_counter() - start:.1f} s to plan {len(result.strategies)} combinations)")

@@ -1,0 +1,76 @@
+"""Static shapes per call (``autosp.compile(..., dynamic=False)``).
+
+autosp plans on Dynamo's trace with the sequence length symbolic: it finds the sequence dims
+by their symbol, and one plan serves every length. AOTAutograd and Inductor, though, compile a
+graph with symbolic sizes at about twice the cost of a static one (docs/compile_time.md,
+"Static against dynamic S"). With ``dynamic=False`` the backend returns a
+:class:`PerShapeCompiled` instead of compiling: at the first call with given input shapes it
+compiles a copy of the applied graph with the call's own tensors as example inputs, which
+AOTAutograd traces with static sizes, and reuses that for every later call with the same
+shapes, strides and integer inputs.
+
+The compile happens where PyTorch's own backend specialisations compile (Dynamo's
+``specialized_dispatch``): at the call, with the real inputs. Every size is then a constant of
+the compiled graph, so nothing it assumes needs a guard: the shapes are the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+#: Distinct shapes after which a warning suggests ``dynamic=True`` (each one compiles anew).
+WARN_AFTER = 8
+
+
+def shape_key(args: tuple) -> tuple:
+    """What a static compile is specialised on: each tensor's shape, strides, dtype and device,
+    and the value of each other argument (the integers that stand for symbolic sizes)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
+        elif isinstance(a, (int, float, bool)) or a is None:
+            key.append(a)
+        else:
+            key.append(type(a).__name__)
+    return tuple(key)
+
+
+class PerShapeCompiled:
+    """The applied graph ``gm`` compiled (by ``compile_fn(gm, example_inputs)``) once per
+    distinct :func:`shape_key` of its inputs, at the first call with them. ``shapes`` lists
+    the keys compiled so far, in order; ``seconds`` the time each compile took."""
+
+    def __init__(self, gm: fx.GraphModule, compile_fn: Callable[[fx.GraphModule, list], Callable]):
+        self._template = gm  # never compiled itself: each shape compiles a copy of its graph
+        self._compile = compile_fn
+        self._compiled: dict[tuple, Callable] = {}
+        self.shapes: list[tuple] = []
+        self.seconds: list[float] = []
+
+    def _copy(self) -> fx.GraphModule:
+        gm = fx.GraphModule(self._template, copy.deepcopy(self._template.graph))
+        gm.meta = dict(self._template.meta)
+        return gm
+
+    def __call__(self, *args: Any) -> Any:
+        key = shape_key(args)
+        fn = self._compiled.get(key)
+        if fn is None:
+            start = time.perf_counter()
+            fn = self._compile(self._copy(), list(args))
+            self._compiled[key] = fn
+            self.shapes.append(key)
+            self.seconds.append(time.perf_counter() - start)
+            if len(self.shapes) == WARN_AFTER + 1:
+                warnings.warn(
+                    f"[autosp:compile] dynamic=False has compiled this graph for {len(self.shapes)} "
+                    "distinct input shapes, each a full compile; pass dynamic=True to compile "
+                    "one graph for every sequence length instead.", stacklevel=2)
+        return fn(*args)
