@@ -71,6 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="run the hand-written model eagerly instead of torch.compile")
     parser.add_argument("--models", default="autosp,handwritten",
                         help="comma-separated subset of autosp,handwritten to run")
+    parser.add_argument("--dynamic", choices=["true", "false"], default="true",
+                        help="autosp.compile(dynamic=...): false compiles the planned graph with "
+                             "S static, as torch.compile does the hand-written model here")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per model")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per model")
     parser.add_argument("--seed", type=int, default=0, help="weights and batch seed")
@@ -149,7 +152,8 @@ def run(args: argparse.Namespace) -> None:
         sp_model.load_state_dict(reference.state_dict())
         mesh = autosp.init_mesh(world)
         compiled = autosp.compile(
-            sp_model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend
+            sp_model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend,
+            dynamic=args.dynamic == "true",
         )
         models["autosp"] = sp_model
         steps["autosp"] = lambda: compiled(input_ids, labels)
@@ -197,7 +201,8 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"\nautosp bench: P={world} S={args.seq} B={args.batch} hidden={args.hidden} "
         f"layers={args.layers} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={args.vocab} "
-        f"backend={args.backend} remat={args.remat} handwritten={hand_mode} "
+        f"backend={args.backend} remat={args.remat} dynamic={args.dynamic} "
+        f"handwritten={hand_mode} "
         f"threads/rank={torch.get_num_threads()} warmup={args.warmup} iters={args.iters}"
     )
     print(f"{'':24}{'iter ms (median)':>18}{'first call s':>14}{'saved MiB/rank':>16}"
@@ -212,6 +217,8 @@ def run(args: argparse.Namespace) -> None:
               f"{saved[name] / MIB:>16.2f}{saved[name] / base:>9.3f}{first_loss[name]:>14.6f}")
     if "autosp" in steps and "handwritten" in steps:
         print(f"time autosp / handwritten: {median['autosp'] / median['handwritten']:.3f}")
+        print(f"first call autosp (dynamic={args.dynamic}) / handwritten (torch.compile's "
+              f"default: S static): {compile_s['autosp'] / compile_s['handwritten']:.2f}x")
         print(f"saved bytes per rank autosp / handwritten: "
               f"{saved['autosp'] / saved['handwritten']:.3f}")
         print(f"first-step loss |autosp - handwritten|: "

@@ -78,3 +78,48 @@ def test_dynamic_compiles_one_symbolic_graph_for_every_length() -> None:
             assert_step_exact(result, f"dynamic=True, S {seq}, rank {rank}")
             assert compiles == [True], (seq, compiles)
         assert out["shapes"] is None
+
+
+def _cold_then_warm() -> list[dict[str, int]]:
+    """Rank 0 of 2 against a fake process group, Inductor: the same model compiled with
+    dynamic=False twice with one fresh cache directory, Dynamo reset in between (what a
+    second process finds); AOTAutograd's cache counters of each."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autosp-static-cache-")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    mesh = autosp.init_mesh(2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        autosp.compile(model, mesh=mesh, check_inputs="never", dynamic=False)(ids, ids).backward()
+        out.append(dict(counters["aot_autograd"]))
+    dist.destroy_process_group()
+    return out
+
+
+def test_static_compiles_hit_aot_autograds_cache() -> None:
+    """The static compile runs in a fake mode with a shape env, as Dynamo's does: without one
+    AOTAutograd bypasses its cache ("No shape env"). Cold: a miss, saved; warm: a hit."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        cold, warm = pool.submit(_cold_then_warm).result(timeout=600)
+    assert cold.get("autograd_cache_miss") == 1 and cold.get("autograd_cache_saved") == 1, cold
+    assert warm.get("autograd_cache_hit") == 1 and not warm.get("autograd_cache_bypass"), warm

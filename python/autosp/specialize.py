@@ -10,8 +10,8 @@ AOTAutograd traces with static sizes, and reuses that for every later call with 
 shapes, strides and integer inputs.
 
 The compile happens where PyTorch's own backend specialisations compile (Dynamo's
-``specialized_dispatch``): at the call, with the real inputs. Every size is then a constant of
-the compiled graph, so nothing it assumes needs a guard: the shapes are the key.
+``specialized_dispatch``): at the call, on static fake copies of its inputs. Every size is then
+a constant of the compiled graph, so nothing it assumes needs a guard: the shapes are the key.
 """
 
 from __future__ import annotations
@@ -59,12 +59,28 @@ class PerShapeCompiled:
         gm.meta = dict(self._template.meta)
         return gm
 
+    def _compile_static(self, args: tuple) -> Callable:
+        """Compiles a copy of the graph for ``args``' shapes: static fake copies of the
+        tensors in a fake mode with a shape env of its own (no symbol in it, so nothing to
+        guard), traced in a tracing context of that mode as Dynamo traces, so that PyTorch's
+        AOTAutograd and FX graph caches take the result (they bypass a graph without a shape
+        env)."""
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        inputs = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor)
+                  else a for a in args]
+        with tracing(TracingContext(fake_mode)):
+            return self._compile(self._copy(), inputs)
+
     def __call__(self, *args: Any) -> Any:
         key = shape_key(args)
         fn = self._compiled.get(key)
         if fn is None:
             start = time.perf_counter()
-            fn = self._compile(self._copy(), list(args))
+            fn = self._compile_static(args)
             self._compiled[key] = fn
             self.shapes.append(key)
             self.seconds.append(time.perf_counter() - start)
