@@ -102,8 +102,8 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
     chunks = ""
     if best.tile_loss and best.fit_loss_chunks and not t.loss_chunks:
         t.loss_chunks = best.fit_loss_chunks  # the fewest that fit: the fastest
-        chunks = (f" with {t.loss_chunks} loss chunks, the fewest predicted to fit (the peak "
-                  f"below is with the rule's {best.loss_chunks})")
+        chunks = (f" with {t.loss_chunks} loss chunks, the fewest predicted to fit (with the "
+                  f"rule's {best.loss_chunks} chunks, the least memory)")
     return (f"autosp plan: remat auto chose {best.name}{chunks}: predicted peak "
             f"{best.at_seq.peak / gib:.3f} GiB of {budget / gib:.2f}, "
             f"+{100 * best.at_seq.overhead:.0f}% predicted step time "

@@ -1,0 +1,110 @@
+"""First-call time (compile + forward + backward) of autosp against torch.compile of the
+hand-written Ulysses model, each in a fresh process.
+
+    .venv/bin/python bench/compile_first_call.py                 # 2 layers, about 6 minutes
+    .venv/bin/python bench/compile_first_call.py --layers 16     # about 20 minutes
+
+Each configuration runs as rank 0 of an SP group of ``--sp`` against a fake process group
+(collectives allocate, do not communicate), in a process of its own: PyTorch keeps compiled
+kernels, the C++ precompiled header and imported Inductor modules in memory, so a second
+compile in the same process is faster for reasons that have nothing to do with the graph
+(bench/profile_compile.py runs everything in one process, so its later rows benefit from
+its earlier ones). "cold" has a fresh ``TORCHINDUCTOR_CACHE_DIR``; "warm" is a second
+process with the same directory (PyTorch's FX graph and AOTAutograd caches on disk).
+
+Configurations: autosp.compile with ``dynamic=True`` (one graph for every S) and
+``dynamic=False`` (planned on the symbolic trace, compiled for the call's static S); the
+hand-written Ulysses model (bench/ulysses_handwritten.py) under plain ``torch.compile`` with S
+static (torch.compile's default for an unmarked input) and with S marked dynamic. Ratios are
+printed against the hand-written model in the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static")
+
+
+def _child(which: str, layers: int, seq: int, sp: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch._inductor import metrics
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ulysses_handwritten import UlyssesLlamaForCausalLM
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=layers,
+                      num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    start = time.perf_counter()
+    if which.startswith("autosp"):
+        mesh = autosp.init_mesh(sp)
+        compiled = autosp.compile(model, mesh=mesh, check_inputs="never",
+                                  dynamic=which == "autosp-dynamic")
+        compiled(ids, ids).backward()
+    else:
+        hand = UlyssesLlamaForCausalLM.from_model(model)
+        x = ids.clone()
+        if which == "handwritten-dynamic":
+            torch._dynamo.mark_dynamic(x, 1)
+        torch.compile(hand)(x, x).backward()  # as bench_sp.py compiles it
+    print(f"RESULT {time.perf_counter() - start:.3f} {metrics.generated_kernel_count}", flush=True)
+
+
+def _run(which: str, layers: int, seq: int, sp: int, cache: str) -> tuple[float, int]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which,
+                          "--layers", str(layers), "--seq", str(seq), "--sp", str(sp)],
+                         env=env, capture_output=True, text=True, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            seconds, kernels = line.split()[1:]
+            return float(seconds), int(kernels)
+    raise RuntimeError(f"{which} failed:\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--child", default=None, choices=CONFIGS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child, args.layers, args.seq, args.sp)
+        return
+    results = {}
+    for which in CONFIGS:
+        cache = tempfile.mkdtemp(prefix="autosp-first-call-")
+        results[which] = (_run(which, args.layers, args.seq, args.sp, cache),
+                          _run(which, args.layers, args.seq, args.sp, cache))
+    print(f"first call (compile + forward + backward), Llama {args.layers} layers, S {args.seq}, "
+          f"rank 0 of sp {args.sp} (fake process group), Inductor, each in a fresh process")
+    print(f"{'':<22}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
+    for which, ((cold, kernels), (warm, _)) in results.items():
+        print(f"{which:<22}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")
+    for mode in ("dynamic", "static"):
+        (c, _), (w, _) = results[f"autosp-{mode}"]
+        (hc, _), (hw, _) = results[f"handwritten-{mode}"]
+        print(f"autosp / hand-written, S {mode}: cold {c / hc:.2f}x, warm {w / hw:.2f}x")
+    (c, _), (w, _) = results["autosp-static"]
+    (hc, _), (hw, _) = results["handwritten-static"]
+    (dc, _), _ = results["autosp-dynamic"]
+    print(f"autosp dynamic=False / autosp dynamic=True, cold: {c / dc:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
