@@ -351,6 +351,8 @@ def test_bad_loss_chunks_are_clear_errors() -> None:
     for chunks, tile, found in ((0, True, "found loss_chunks=0; expected a positive int"),
                                 (2.5, True, "found loss_chunks=2.5; expected a positive int"),
                                 (True, True, "found loss_chunks=True; expected a positive int"),
+                                (2**31, True, "found loss_chunks=2147483648; expected a positive "
+                                              "int up to 2147483647"),
                                 (4, False, "found loss_chunks=4 with tile_loss=False; expected "
                                            "tile_loss=True")):
         with pytest.raises(autosp.AutospError, match=re.escape("[autosp:compile] " + found)):

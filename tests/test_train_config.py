@@ -227,7 +227,8 @@ def test_remat_auto_gives_the_tiled_loss_the_fewest_chunks_that_fit() -> None:
     the peaks at 1 chunk and at 500, the plan's fewest fit and one fewer does not; ``remat =
     "auto"`` picks a tiled loss there and trains with that many chunks."""
     import autosp
-    from autosp.train.predict import choose_strategy, planner_model
+    from autosp.errors import AutospError
+    from autosp.train.predict import choose_strategy, planner_model, predicted_peak
 
     cfg = C.TrainConfig()
     cfg.training.remat, cfg.training.seq_len, cfg.training.batch_size = "auto", 65536, 1
@@ -261,3 +262,38 @@ def test_remat_auto_gives_the_tiled_loss_the_fewest_chunks_that_fit() -> None:
     expect = plan(chosen, int(t.memory_gib * gib)).fit_loss_chunks
     assert t.loss_chunks == expect > 0, (line, chosen)
     assert f"with {expect} loss chunks, the fewest predicted to fit" in line
+    assert predicted_peak(cfg, 2, 2, vocab)[0] <= budget  # what trains is what was planned
+
+    # Chunks the user set are planned with, also when auto turns the tiled loss on (a breaker
+    # found auto planning with the default chunks and training with the user's 1).
+    cfg = C.TrainConfig()
+    t = cfg.training
+    t.remat, t.seq_len, t.batch_size, t.memory_gib = "auto", 65536, 1, budget / gib
+    t.tile_loss, t.loss_chunks = False, 1
+    try:
+        line = choose_strategy(cfg, 2, 2, vocab, torch.device("cpu"))
+    except AutospError as e:
+        assert "found no combination" in str(e)
+    else:
+        assert t.loss_chunks == 1
+        assert predicted_peak(cfg, 2, 2, vocab)[0] <= budget, line
+
+
+def test_loss_chunks_settings_are_checked() -> None:
+    from autosp.errors import AutospError
+
+    base = {("training", "tile_loss"): False, ("training", "loss_chunks"): 3}
+    with pytest.raises(AutospError, match=r"training.loss_chunks = 3 with training.tile_loss = "
+                                          r"false; expected tile_loss true"):
+        C.load(None, base)
+    assert C.load(None, {**base, ("training", "remat"): "auto"}).training.loss_chunks == 3
+    with pytest.raises(AutospError, match=r"training.loss_chunks: found 2147483648; expected a "
+                                          r"value between 0 and 2147483647"):
+        C.load(None, {("training", "loss_chunks"): 2**31})
+    import autosp
+
+    with pytest.raises(AutospError, match=r"\[plan\] found loss_chunks=7 and no strategy with "
+                                          r"the tiled loss"):
+        autosp.plan("llama-3.2-1b", strategies=["ulysses+default"], loss_chunks=7)
+    with pytest.raises(AutospError, match=r"\[plan\] found loss_chunks=2147483648; expected"):
+        autosp.plan("llama-3.2-1b", loss_chunks=2**31)

@@ -133,10 +133,13 @@ def _check_flags(loss_chunks: int | None = None, **flags: Any) -> None:
             raise AutospError(f"[autosp:compile] found {name}={value!r}; expected True or False.")
     if loss_chunks is None:
         return
-    if not isinstance(loss_chunks, int) or isinstance(loss_chunks, bool) or loss_chunks < 1:
+    from autosp.tiled_loss import MAX_CHUNKS
+
+    if not isinstance(loss_chunks, int) or isinstance(loss_chunks, bool) \
+            or not 1 <= loss_chunks <= MAX_CHUNKS:
         raise AutospError(f"[autosp:compile] found loss_chunks={loss_chunks!r}; expected a "
-                          "positive int (chunks of each rank's tokens per tiled loss), or None "
-                          "for ceil(vocab / hidden).")
+                          f"positive int up to {MAX_CHUNKS} (chunks of each rank's tokens per "
+                          "tiled loss), or None for ceil(vocab / hidden).")
     if not flags.get("tile_loss"):
         raise AutospError(f"[autosp:compile] found loss_chunks={loss_chunks} with "
                           "tile_loss=False; expected tile_loss=True (the chunks are the tiled "

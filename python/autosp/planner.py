@@ -235,9 +235,15 @@ def plan(
     multiple = seq_multiple * sp // math.gcd(seq_multiple, sp)
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise AutospError(f"[plan] found seq_len={seq_len!r}; expected a positive integer")
-    if not isinstance(loss_chunks, int) or isinstance(loss_chunks, bool) or loss_chunks < 0:
+    from autosp.tiled_loss import MAX_CHUNKS
+
+    if not isinstance(loss_chunks, int) or isinstance(loss_chunks, bool) \
+            or not 0 <= loss_chunks <= MAX_CHUNKS:
         raise AutospError(f"[plan] found loss_chunks={loss_chunks!r}; expected a positive "
-                          "integer, or 0 for ceil(vocab / hidden)")
+                          f"integer up to {MAX_CHUNKS}, or 0 for ceil(vocab / hidden)")
+    if loss_chunks and not any(c.tile_loss for c in chosen):
+        raise AutospError(f"[plan] found loss_chunks={loss_chunks} and no strategy with the "
+                          f"tiled loss; expected a strategy with +{TILED} (the chunks are its)")
 
     results: list[tuple[Choice, int, int, Any, Any]] = []
     traces: dict[tuple[int, bool, bool], TracedStep] = {}

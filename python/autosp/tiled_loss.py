@@ -52,6 +52,11 @@ from autosp.tiled_ops import (Recipes, autocast_state, replayed_autocast,
 _RECIPES = Recipes("loss recipe")
 
 
+#: The most chunks per tiled loss a user may ask for (autosp.compile, autosp plan, autosp train);
+#: more chunks than rows run one row each.
+MAX_CHUNKS = 2**31 - 1
+
+
 def chunk_rows(rows: int, classes: int, hidden: int, chunks: int = 0) -> int:
     """Rows per chunk: ``AUTOSP_LOSS_TILE_ROWS`` if set, else ``ceil(rows / n)`` for ``n``
     chunks: ``chunks`` when positive, else ``ceil(classes / hidden)`` (``_core.tiled_loss_chunks``),

@@ -159,7 +159,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "training.lr": (_POSITIVE, None), "training.warmup_steps": (0, None),
     "training.min_lr_ratio": (0, 1), "training.weight_decay": (0, None),
     "training.max_grad_norm": (0, None), "training.remat_budget_gib": (0, None),
-    "training.loss_chunks": (0, None),
+    "training.loss_chunks": (0, 2**31 - 1),  # autosp.tiled_loss.MAX_CHUNKS
     "training.memory_gib": (0, None),
     "training.check_atol": (0, None),
     "parallel.nproc": (1, None), "parallel.sp": (0, None), "parallel.timeout_s": (_POSITIVE, None),
@@ -261,8 +261,13 @@ def load(path: str | None, overrides: dict[tuple[str, str], Any] | None = None) 
         v = getattr(getattr(cfg, section), name)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             want = ("> 0" if lo == _POSITIVE else f">= {lo:g}" if hi is None
-                    else f"between {lo:g} and {hi:g}")
+                    else f"between {lo:g} and {hi}")
             raise ConfigError(f"[autosp:train] {key}: found {v!r}; expected a value {want}")
+    t = cfg.training
+    if t.loss_chunks and not t.tile_loss and t.remat != "auto":
+        raise ConfigError(f"[autosp:train] training.loss_chunks = {t.loss_chunks} with "
+                          "training.tile_loss = false; expected tile_loss true (the chunks are "
+                          "the tiled loss's), or loss_chunks 0")
     m = cfg.model
     if m.hidden_size % m.heads or (m.kv_heads and m.heads % m.kv_heads):
         raise ConfigError(f"[autosp:train] model.heads = {m.heads}, model.kv_heads = {m.kv_heads}: "

@@ -84,7 +84,7 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
                              fsdp=cfg.parallel.fsdp, seq_len=t.seq_len, gpu_memory=budget,
                              strategies=combinations("ulysses"), seq_multiple=t.seq_len,
                              max_seq=t.seq_len, curve_points=2,
-                             loss_chunks=t.loss_chunks if t.tile_loss else 0)
+                             loss_chunks=t.loss_chunks)  # auto may turn the tiled loss on
     except AutospError as e:
         raise AutospError(f"[autosp:train] training.remat = 'auto' needs autosp plan's "
                           f"prediction for this model, which failed: {e}") from None
