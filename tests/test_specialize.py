@@ -112,6 +112,8 @@ def _cold_then_warm() -> list[dict[str, int]]:
     return out
 
 
+@pytest.mark.slow  # 29 s (an Inductor compile, cold then warm); the default suite has the
+# dynamic compile's cache test (tests/test_compile_cache.py)
 def test_static_compiles_hit_aot_autograds_cache() -> None:
     """The static compile runs in a fake mode with a shape env, as Dynamo's does: without one
     AOTAutograd bypasses its cache ("No shape env"). Cold: a miss, saved; warm: a hit."""

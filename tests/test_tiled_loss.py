@@ -230,11 +230,10 @@ def test_tiling_removes_the_logits_from_the_measured_peak() -> None:
 
 
 @pytest.mark.parametrize("rows,recompute,chunks", [
-    (None, False, None), (None, False, 4), pytest.param("128", True, None, marks=pytest.mark.slow)],
-    ids=["proportional-chunks-grads-in-forward", "4-chunks-grads-in-forward",
-         "128-row-chunks-recomputing"])
+    (None, False, (None, 4)), pytest.param("128", True, (None,), marks=pytest.mark.slow)],
+    ids=["default-and-4-chunks-grads-in-forward", "128-row-chunks-recomputing"])
 def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool,
-                                         chunks: int | None) -> None:
+                                         chunks: tuple) -> None:
     """``autosp plan``'s memory model on the tiled loss (its ops' workspace from
     autosp.tiled_loss.workspace) against a real step on rank 0 of 2 (fake process group):
     saved bytes exact, the peak within 10%, tiled and untiled: the default chunks (64) and 4
@@ -259,8 +258,7 @@ def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool,
         assert flops == pytest.approx(logits_flops if tile and recompute else 0, rel=1e-9)
 
 
-def _predict_and_measure_tiled(rows: str | None, recompute: bool,
-                               chunks: int | None) -> list[tuple]:
+def _predict_and_measure_tiled(rows: str | None, recompute: bool, chunks: tuple) -> list[tuple]:
     import autosp
     from autosp import _core, measure, planner
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
@@ -273,19 +271,18 @@ def _predict_and_measure_tiled(rows: str | None, recompute: bool,
     out = []
     os.environ["AUTOSP_LOSS_RECOMPUTE"] = "1" if recompute else ""
     with _rank0_of_2(rows) as mesh:
-        for tile in (False, True):
+        for tile, n in [(False, None)] + [(True, n) for n in chunks]:
             torch._dynamo.reset()
             torch.manual_seed(0)
             model = LlamaForCausalLM(cfg)
             compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware",
-                                      backend="aot_eager", tile_loss=tile,
-                                      loss_chunks=chunks if tile else None)
+                                      backend="aot_eager", tile_loss=tile, loss_chunks=n)
             measured = measure.train_step_memory(model, compiled, ids, ids)
             traced = trace_step(cfg, sp_size=2, dtype="fp32", batch_size=2, tile_loss=tile)
             predicted = _core.simulate_peak_memory(
                 traced.graph, seq,
                 planner._core_options("sequence-aware", "fp32", traced.num_params, 1,
-                                      loss_chunks=chunks or 0))
+                                      loss_chunks=n or 0))
             none = _core.simulate_peak_memory(
                 traced.graph, seq, planner._core_options("none", "fp32", traced.num_params, 1))
             out.append((tile, predicted.saved_bytes, measured.saved_bytes, predicted.peak,
