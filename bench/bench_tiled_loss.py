@@ -12,6 +12,11 @@ for each is printed beside the measurement.
 
     .venv/bin/python bench/bench_tiled_loss.py                      # S 16384, vocab 32768, sp 2
     .venv/bin/python bench/bench_tiled_loss.py --seq 8192 --vocab 131072 --sp 4
+    .venv/bin/python bench/bench_tiled_loss.py --vocab 128256 --sp 4 --budget-gib 2
+
+With ``--budget-gib``, a third row: the tiled loss with the fewest chunks ``autosp plan``
+predicts to fit that budget (``StrategyPlan.fit_loss_chunks``, what ``autosp train --remat
+auto`` trains with) beside the default ``ceil(vocab / hidden)`` chunks.
 
 CPU only: on a GPU the planner's strategies ``+ tiled loss`` (``autosp plan``) and
 bench/gpu_longest_seq.py are what to run.
@@ -35,6 +40,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget-gib", type=float, default=0.0,
+                    help="also run the fewest loss chunks predicted to fit this many GiB")
     args = ap.parse_args()
 
     import autosp
@@ -54,13 +61,25 @@ def main() -> None:
     print(f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, S {args.seq}, "
           f"rank 0 of sp {args.sp} (fake process group), CPU; this rank's fp32 logits: "
           f"{args.seq // args.sp * args.vocab * 4 / 2**30:.2f} GiB")
+    runs: list[tuple[str, bool, int | None]] = [
+        ("untiled", False, None),
+        (f"tiled, {_core.tiled_loss_chunks(args.vocab, args.hidden, 0)} chunks", True, None)]
+    if args.budget_gib:
+        fit = autosp.plan(cfg, gpus=args.sp, sp=args.sp, dtype="fp32", batch_size=1,
+                          optimizer_sharding="none", seq_len=args.seq,
+                          gpu_memory=int(args.budget_gib * (1 << 30)),
+                          strategies=["ulysses+sequence-aware+tiled-loss"], seq_multiple=args.seq,
+                          max_seq=args.seq, curve_points=2).strategies[0].fit_loss_chunks
+        print(f"fewest loss chunks predicted to fit {args.budget_gib} GiB: {fit or 'none fits'}")
+        if fit:
+            runs.append((f"tiled, {fit} chunks", True, fit))
     rows = {}
-    for tile in (False, True):
+    for label, tile, chunks in runs:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
         compiled = autosp.compile(model, mesh=mesh, remat="sequence-aware", backend="aot_eager",
-                                  tile_loss=tile)
+                                  tile_loss=tile, loss_chunks=chunks)
         mem = measure.train_step_memory(model, compiled, ids, ids)
         times = []
         for _ in range(args.steps):
@@ -70,14 +89,15 @@ def main() -> None:
         traced = trace_step(cfg, sp_size=args.sp, dtype="fp32", batch_size=1, tile_loss=tile)
         predicted = _core.simulate_peak_memory(
             traced.graph, args.seq,
-            planner._core_options("sequence-aware", "fp32", traced.num_params, 1))
-        rows[tile] = (mem, statistics.median(times), predicted.peak)
+            planner._core_options("sequence-aware", "fp32", traced.num_params, 1,
+                                  loss_chunks=chunks or 0))
+        rows[label] = (mem, statistics.median(times), predicted.peak)
     gib = float(1 << 30)
-    base_mem, base_t, _ = rows[False]
-    print(f"{'loss':<10} {'saved GiB':>10} {'peak GiB':>9} {'predicted':>10} {'peak ratio':>11} "
+    base_mem, base_t, _ = rows["untiled"]
+    print(f"{'loss':<20} {'saved GiB':>10} {'peak GiB':>9} {'predicted':>10} {'peak ratio':>11} "
           f"{'step s':>7} {'time ratio':>11}")
-    for tile, (mem, t, pred) in rows.items():
-        print(f"{'tiled' if tile else 'untiled':<10} {mem.saved_bytes / gib:>10.3f} "
+    for label, (mem, t, pred) in rows.items():
+        print(f"{label:<20} {mem.saved_bytes / gib:>10.3f} "
               f"{mem.peak_bytes / gib:>9.3f} {pred / gib:>10.3f} "
               f"{mem.peak_bytes / base_mem.peak_bytes:>10.2f}x {t:>7.2f} {t / base_t:>10.2f}x")
 

@@ -47,7 +47,7 @@ from autosp.errors import AutospError
 from autosp.models.llama import LlamaConfig
 from autosp.plan_inputs import (DTYPES, OPTIMIZER_SHARDING, PRESETS, REMAT_STRATEGIES, SP_MODES,
                                 load_model_config, parse_bytes)
-from autosp.plan_result import MemoryPrediction, PlanResult, StrategyPlan
+from autosp.plan_result import LOSS_CHUNKS_HEADROOM, MemoryPrediction, PlanResult, StrategyPlan
 from autosp.plan_trace import TracedStep, trace_step
 
 __all__ = [
@@ -287,8 +287,8 @@ def plan(
             at_seq = MemoryPrediction.from_core(
                 _core.simulate_peak_memory(traced.graph, seq_len, options))
             if chunks:
-                fit_chunks = _core.fewest_loss_chunks(traced.graph, seq_len, options, budget,
-                                                      chunks)
+                fit_chunks = _core.fewest_loss_chunks(
+                    traced.graph, seq_len, options, int(budget * LOSS_CHUNKS_HEADROOM), chunks)
         curve = tuple(
             (s, _core.simulate_peak_memory(traced.graph, s, options).peak) for s in grid
         )
