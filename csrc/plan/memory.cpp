@@ -75,17 +75,25 @@ namespace {
 int64_t optimizer_shards_of(const TrainingConfig& cfg) {
   return std::max<int64_t>(cfg.param_shards > 1 ? cfg.param_shards : cfg.optimizer_shards, 1);
 }
-}  // namespace
 
-int64_t optimizer_state_bytes(const TrainingConfig& cfg) {
+int64_t state_bytes(const TrainingConfig& cfg) {
   // ZeRO-3: the fp32 parameter and gradient shards are the master weights and accumulators.
   const int64_t per_param = cfg.dtype == DtypePolicy::kFp32 || cfg.param_shards > 1 ? 8 : 16;
   const int64_t shards = optimizer_shards_of(cfg);
   return (cfg.num_params * per_param + shards - 1) / shards;
 }
+}  // namespace
+
+int64_t optimizer_state_bytes(const TrainingConfig& cfg) {
+  return cfg.optimizer_offload ? 0 : state_bytes(cfg);
+}
+
+int64_t host_optimizer_bytes(const TrainingConfig& cfg) {
+  return cfg.optimizer_offload ? state_bytes(cfg) : 0;
+}
 
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {
-  if (!cfg.optimizer_foreach) return 0;
+  if (!cfg.optimizer_foreach || cfg.optimizer_offload) return 0;
   const int64_t shards = optimizer_shards_of(cfg);
   return (cfg.num_params * 4 + shards - 1) / shards;
 }

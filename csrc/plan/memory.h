@@ -146,6 +146,12 @@ struct TrainingConfig {
   // torch.optim.AdamW(foreach=True) allocates one fp32 temporary per parameter of its shard
   // (exp_avg_sq.sqrt()) during step(); a fused kernel allocates none.
   bool optimizer_foreach = true;
+  // ZeRO-Offload (autosp.OffloadOptimizer): the optimizer's state (the master weights, the
+  // gradient accumulator and AdamW's moments) lives in host memory and step() runs on the
+  // host. The device holds the parameters and their gradients in the graph's dtype, nothing
+  // of the optimizer's and no step() temporaries; each step copies the gradients to the host
+  // and the updated parameters back (host_optimizer_bytes is what the host holds).
+  bool optimizer_offload = false;
 
   bool operator==(const TrainingConfig&) const = default;
 };
@@ -205,8 +211,12 @@ struct MemoryBreakdown {
 //   fp32, 1000 params, 1 shard:  state 8000, workspace 4000 (foreach)
 //   bf16, 1000 params, 4 shards: state 4000, workspace 1000
 //   bf16, 1000 params, 4 param_shards (ZeRO-3): state 2000, workspace 1000
+// With optimizer_offload both are 0 (on the device); host_optimizer_bytes is the state the host
+// holds then (the same bytes optimizer_state_bytes gives without offload, 0 otherwise).
+//   bf16, 1000 params, optimizer_offload: state 0, workspace 0, host 16000
 int64_t optimizer_state_bytes(const TrainingConfig& cfg);
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
+int64_t host_optimizer_bytes(const TrainingConfig& cfg);
 
 // Chunks of a tiled loss's rows (SpConfig::loss_chunks): `chunks` when positive, else
 // ceil(classes / hidden), so that one chunk's [rows / chunks, classes] logits are the size of

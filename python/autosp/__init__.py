@@ -9,10 +9,11 @@
 """
 
 from autosp.api import backend, compile, init_mesh
+from autosp.offload_optimizer import OffloadOptimizer
 from autosp.shard import MixedPrecisionPolicy, fully_shard
 from autosp.errors import AutospError, AutospGatherWarning
 
-__all__ = ["AutospError", "AutospGatherWarning", "MixedPrecisionPolicy", "backend", "compile", "fully_shard",
+__all__ = ["AutospError", "AutospGatherWarning", "MixedPrecisionPolicy", "OffloadOptimizer", "backend", "compile", "fully_shard",
            "init_mesh", "plan"]
 
 

@@ -101,7 +101,8 @@ void init_memory(nb::module_& m) {
       .def_rw("dtype", &TrainingConfig::dtype)
       .def_rw("optimizer_shards", &TrainingConfig::optimizer_shards)
       .def_rw("param_shards", &TrainingConfig::param_shards)
-      .def_rw("optimizer_foreach", &TrainingConfig::optimizer_foreach);
+      .def_rw("optimizer_foreach", &TrainingConfig::optimizer_foreach)
+      .def_rw("optimizer_offload", &TrainingConfig::optimizer_offload);
 
   nb::class_<MemoryOptions>(m, "MemoryOptions")
       .def(nb::init<>())
@@ -161,6 +162,7 @@ void init_memory(nb::module_& m) {
       "layer 1 inserted after it). Raises ValueError when the trace does not have that "
       "structure.");
   m.def("optimizer_state_bytes", &optimizer_state_bytes, "config"_a);
+  m.def("host_optimizer_bytes", &host_optimizer_bytes, "config"_a);
   m.def("optimizer_workspace_bytes", &optimizer_workspace_bytes, "config"_a);
   nb::class_<TiledLossWorkspace>(m, "TiledLossWorkspace")
       .def_ro("per_row", &TiledLossWorkspace::per_row)

@@ -90,6 +90,13 @@ TEST(MemoryOptimizer, StateAndWorkspacePerDtypeAndSharding) {
                              .param_shards = 4};
   EXPECT_EQ(optimizer_state_bytes(zero3), 2000);
   EXPECT_EQ(optimizer_workspace_bytes(zero3), 1000);
+  EXPECT_EQ(host_optimizer_bytes(zero3), 0);
+  // ZeRO-Offload: the whole state on the host, nothing of it (nor step temporaries) on the device.
+  const TrainingConfig offload{
+      .num_params = 1000, .dtype = DtypePolicy::kBf16Mixed, .optimizer_offload = true};
+  EXPECT_EQ(optimizer_state_bytes(offload), 0);
+  EXPECT_EQ(optimizer_workspace_bytes(offload), 0);
+  EXPECT_EQ(host_optimizer_bytes(offload), 16000);
 }
 
 // Worked by hand at S = 10 (policy none saves b): persistent params 100 + optimizer 200 +
@@ -126,6 +133,19 @@ TEST(MemorySimulator, OptimizerPhaseWhenActivationsAreSmall) {
   EXPECT_EQ(b.peak, 8000 + 4000 + 100 + 100 + 4 + 8);
   EXPECT_EQ(b.gradients, 100);
   EXPECT_EQ(b.optimizer_state, 12000);
+}
+
+// The same step with the optimizer offloaded: the device keeps params 100 + grads 100 + loss 4
+// + x 8 = 212 in the step. The backward, at gp: params 100 + x 8 + gb 16 + gp 100 + loss 4 =
+// 228, the peak (without offload it was 8000 + 4000 + 212 in the step).
+TEST(MemorySimulator, OffloadedOptimizerLeavesOnlyParamsAndGradients) {
+  const MemoryGraph g = one_layer();
+  MemoryOptions o = fp32_options(RematStrategy::kNone, 1000);
+  o.training.optimizer_offload = true;
+  const MemoryBreakdown b = simulate_peak_memory(g, 1, o);
+  EXPECT_EQ(b.phase, "backward");
+  EXPECT_EQ(b.peak, 228);
+  EXPECT_EQ(b.optimizer_state, 0);
 }
 
 // ZeRO-3 over 4 ranks, S = 10, policy none: persistent shard 250 and AdamW moments

@@ -1,0 +1,150 @@
+"""autosp.OffloadOptimizer: the wrapped optimizer steps host master weights, and the device
+parameters follow them exactly.
+
+On CPU the "host" copies are separate CPU tensors, so the logic (what is copied where, in which
+dtype, the state dict) is what these tests check; the memory it frees is the planner's
+(tests/test_planner.py) and a GPU's to measure."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autosp
+from autosp import AutospError, OffloadOptimizer
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    return m.to(dtype)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 8, generator=g).to(next(model.parameters()).dtype)
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+
+
+def _lambda(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))
+
+
+def test_fp32_steps_equal_the_plain_optimizer_bit_for_bit() -> None:
+    ref, off = _model(), _model()
+    groups = lambda m: [{"params": [m[0].weight, m[0].bias]},  # noqa: E731
+                        {"params": m[2].parameters(), "weight_decay": 0.0}]
+    a = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1)
+    b = OffloadOptimizer(groups(off), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    sa, sb = _lambda(a), _lambda(b)
+    for step in range(4):
+        _step(ref, a, step)
+        _step(off, b, step)
+        sa.step()
+        sb.step()
+    for (name, p), q in zip(ref.named_parameters(), off.parameters()):
+        assert torch.equal(p, q), name
+    assert b.param_groups[0]["lr"] == a.param_groups[0]["lr"] == pytest.approx(1e-2 / 5)
+    # The device parameters are not the optimizer's tensors: the masters are separate copies.
+    masters = [m for g in b.param_groups for m in g["params"]]
+    assert not any(m.data_ptr() == p.data_ptr() for m in masters for p in off.parameters())
+    moments = [s["exp_avg"] for s in a.state.values()]
+    assert all(torch.equal(x, y) for x, y in zip(moments, [s["exp_avg"] for s in b.state.values()]))
+
+
+def test_bf16_parameters_step_fp32_master_weights() -> None:
+    off = _model(torch.bfloat16)
+    opt = OffloadOptimizer(off.parameters(), lr=1e-2)  # AdamW by default
+    masters = [m for g in opt.param_groups for m in g["params"]]
+    assert all(m.dtype == torch.float32 and m.device.type == "cpu" for m in masters)
+    # The reference: torch's AdamW on fp32 copies, fed the bf16 gradients upcast.
+    ref = [p.detach().float().clone().requires_grad_() for p in off.parameters()]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for step in range(3):
+        _step(off, opt, step)
+        for r, p in zip(ref, off.parameters()):
+            r.grad = p.grad.float()
+        ref_opt.step()
+        for r, m, p in zip(ref, masters, off.parameters()):
+            assert torch.equal(m, r.detach())  # the master weights are AdamW's fp32 result
+            assert torch.equal(p, r.detach().to(torch.bfloat16))  # the device copy, rounded
+    # Master weights, their gradients and two moments in fp32, and a 4-byte step per tensor.
+    assert opt.host_bytes() == sum(m.numel() * 16 for m in masters) + 4 * len(masters)
+
+
+def test_a_parameter_without_a_gradient_is_left_alone() -> None:
+    off = _model()
+    frozen = off[0].weight
+    before = frozen.detach().clone()
+    opt = OffloadOptimizer(off.parameters(), lr=1e-1, weight_decay=0.5)
+    frozen.requires_grad_(False)
+    _step(off, opt, 0)
+    assert torch.equal(frozen, before)  # no gradient: no weight decay either, as in AdamW
+    assert not torch.equal(off[2].weight, _model()[2].weight)
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    ref, res = _model(), _model()
+    a = OffloadOptimizer(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        _step(ref, a, step)
+    saved = copy.deepcopy(a.state_dict())
+    # A fresh optimizer over a model that has not trained: the state dict carries the master
+    # weights and puts them into the device parameters.
+    b = OffloadOptimizer(res.parameters(), lr=1e-2, weight_decay=0.1)
+    b.init_state()  # what DCP loads into (tensors of the right shapes)
+    assert set(b.state_dict()["state"]) == set(saved["state"])
+    b.load_state_dict(saved)
+    for p, q in zip(ref.parameters(), res.parameters()):
+        assert torch.equal(p, q)
+    _step(ref, a, 7)
+    _step(res, b, 7)
+    for p, q in zip(ref.parameters(), res.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_init_state_changes_nothing() -> None:
+    m = _model()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = OffloadOptimizer(m.parameters(), lr=1e-2, weight_decay=0.1)
+    opt.init_state()
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_closure_runs_before_the_copy() -> None:
+    m = _model()
+    opt = OffloadOptimizer(m.parameters(), lr=1e-2)
+    x = torch.randn(3, 8)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    before = m[0].weight.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and not torch.equal(m[0].weight, before)
+
+
+def test_errors_name_what_was_found() -> None:
+    with pytest.raises(AutospError, match=r"\[autosp:OffloadOptimizer\] found an empty"):
+        OffloadOptimizer([], lr=1.0)
+    with pytest.raises(AutospError, match="expected a torch.optim.Optimizer subclass"):
+        OffloadOptimizer(_model().parameters(), "adamw")  # type: ignore[arg-type]
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(AutospError, match="a parameter given twice"):
+        OffloadOptimizer([{"params": [p]}, {"params": [p]}], lr=1.0)
+    bad = OffloadOptimizer(_model().parameters(), lr=1.0)
+    with pytest.raises(AutospError, match="found a state dict with no master weights"):
+        bad.load_state_dict(torch.optim.AdamW(_model().parameters()).state_dict())
+
+
+def test_is_exported_and_typed() -> None:
+    assert autosp.OffloadOptimizer is OffloadOptimizer
+    assert isinstance(OffloadOptimizer(_model().parameters()), torch.optim.Optimizer)
