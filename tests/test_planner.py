@@ -496,3 +496,29 @@ def test_sequence_aware_peak_is_below_default_on_several_layers() -> None:
         # raise it.
         assert offloaded.saved_bytes == plain.saved_bytes and offloaded.peak <= plain.peak, saved
     assert moved["all"] > moved["layer outputs"]
+
+
+def test_offloaded_optimizer_leaves_the_device(traced_p2: planner.TracedStep,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``offload_optimizer`` (autosp.OffloadOptimizer): no optimizer state and no step()
+    temporaries on the device, 16 bytes per parameter on the host (fp32 master weights, their
+    gradients, AdamW's moments), the same activations, so the peak drops and more fits; the
+    state is not sharded over dp (each rank's host holds it all)."""
+    kw = dict(gpus=4, sp=2, gpu_memory="8MiB", dtype="fp32", batch_size=BATCH, seq_len=256,
+              seq_multiple=256, strategies=["ulysses+sequence-aware"])
+    on = planner.plan(TINY, offload_optimizer=True, **kw)
+    off = planner.plan(TINY, optimizer_sharding="none", **kw)
+    a, b = on.strategies[0].at_seq, off.strategies[0].at_seq
+    assert b.optimizer_state >= 8 * on.num_params and a.optimizer_state == 0
+    assert on.host_optimizer_bytes == 16 * on.num_params and off.host_optimizer_bytes == 0
+    assert (a.saved_activations, a.parameters) == (b.saved_activations, b.parameters)
+    assert a.peak < b.peak
+    assert on.strategies[0].longest_seq >= off.strategies[0].longest_seq > 0
+    assert "optimizer state in host memory" in on.table()
+    with pytest.raises(AutospError, match=r"found offload_optimizer and fsdp together"):
+        planner.plan(TINY, offload_optimizer=True, fsdp=True, **kw)
+    from autosp import cli
+
+    assert cli.main(["plan", "--model", "llama-3.2-1b", "--gpus", "2", "--fsdp",
+                     "--offload-optimizer", "--no-plot"]) == 2
+    assert "found offload_optimizer and fsdp together" in capsys.readouterr().err

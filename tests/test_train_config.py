@@ -39,6 +39,9 @@ def test_file_then_flags_dotted_and_flat(tmp_path: Path) -> None:
     assert cfg.model == C.ModelConfig()            # untouched: defaults
     assert cfg.training.offload is False           # default
     assert _parse(["--offload"]).training.offload is True
+    assert _parse(["--offload-optimizer"]).training.offload_optimizer is True
+    with pytest.raises(C.ConfigError, match=r"found training.offload_optimizer with parallel.fsdp"):
+        _parse(["--offload-optimizer", "--fsdp"])
 
 
 def test_saved_config_reloads_equal(tmp_path: Path) -> None:

@@ -89,7 +89,9 @@ int64_t optimizer_state_bytes(const TrainingConfig& cfg) {
 }
 
 int64_t host_optimizer_bytes(const TrainingConfig& cfg) {
-  return cfg.optimizer_offload ? state_bytes(cfg) : 0;
+  // fp32 master weights, their gradients and AdamW's two moments, whatever the parameters'
+  // dtype (for fp32 parameters the master is a host copy of them).
+  return cfg.optimizer_offload ? cfg.num_params * 16 : 0;
 }
 
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg) {

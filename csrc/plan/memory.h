@@ -211,9 +211,9 @@ struct MemoryBreakdown {
 //   fp32, 1000 params, 1 shard:  state 8000, workspace 4000 (foreach)
 //   bf16, 1000 params, 4 shards: state 4000, workspace 1000
 //   bf16, 1000 params, 4 param_shards (ZeRO-3): state 2000, workspace 1000
-// With optimizer_offload both are 0 (on the device); host_optimizer_bytes is the state the host
-// holds then (the same bytes optimizer_state_bytes gives without offload, 0 otherwise).
-//   bf16, 1000 params, optimizer_offload: state 0, workspace 0, host 16000
+// With optimizer_offload both are 0 (on the device); host_optimizer_bytes is what the host
+// holds then, unsharded: fp32 master weights, their gradients and AdamW's moments (0 without).
+//   bf16 or fp32, 1000 params, optimizer_offload: state 0, workspace 0, host 16000
 int64_t optimizer_state_bytes(const TrainingConfig& cfg);
 int64_t optimizer_workspace_bytes(const TrainingConfig& cfg);
 int64_t host_optimizer_bytes(const TrainingConfig& cfg);

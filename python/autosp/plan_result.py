@@ -118,6 +118,7 @@ class PlanResult:
     trace_seconds: float
     plot: str | None = None
     fsdp: bool = False
+    host_optimizer_bytes: int = 0  # per rank, with offload_optimizer (autosp.OffloadOptimizer)
 
     def strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -139,7 +140,10 @@ class PlanResult:
             f"{self.gpus} GPUs x {self.gpu_memory / gib:.0f} GiB, dtype {self.dtype}, "
             f"batch {self.batch_size}, " + (
                 "parameters, gradients and optimizer state sharded over all GPUs (fsdp)"
-                if self.fsdp else f"optimizer state sharded over {self.optimizer_sharding}"),
+                if self.fsdp else
+                f"optimizer state in host memory ({self.host_optimizer_bytes / gib:.1f} GiB per "
+                "rank, autosp.OffloadOptimizer)" if self.host_optimizer_bytes else
+                f"optimizer state sharded over {self.optimizer_sharding}"),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
             "state, saved activations, transient, communication; recomp: FLOPs computed again "
             "(remat, tiled loss) over the step's; host: GiB offloaded, moved to the host and back "

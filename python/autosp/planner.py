@@ -76,7 +76,7 @@ _STRATEGY_ENUM = {
 
 def _core_options(remat: str, dtype: str, num_params: int, shards: int,
                   param_shards: int = 1, offload: bool = False, offload_all: bool = False,
-                  loss_chunks: int = 0) -> Any:
+                  loss_chunks: int = 0, offload_optimizer: bool = False) -> Any:
     options = _core.MemoryOptions()
     options.loss_chunks = loss_chunks
     options.strategy = getattr(_core.RematStrategy, _STRATEGY_ENUM[remat])
@@ -90,6 +90,7 @@ def _core_options(remat: str, dtype: str, num_params: int, shards: int,
     training.dtype = _core.DtypePolicy.BF16_MIXED if dtype == "bf16" else _core.DtypePolicy.FP32
     training.optimizer_shards = shards
     training.param_shards = param_shards
+    training.optimizer_offload = offload_optimizer
     options.training = training
     return options
 
@@ -193,6 +194,7 @@ def plan(
     curve_points: int = 24,
     plot: str | Path | None = None,
     loss_chunks: int = 0,
+    offload_optimizer: bool = False,
 ) -> PlanResult:
     """Predicted peak memory per rank and the longest trainable sequence for each strategy.
 
@@ -208,6 +210,8 @@ def plan(
     ``autosp.compile(loss_chunks=...)`` (0: ``ceil(vocab / hidden)``); each tiled-loss strategy
     also reports the fewest chunks that fit ``gpu_memory`` at ``seq_len``
     (``StrategyPlan.fit_loss_chunks``: fewer chunks read the weight fewer times).
+    ``offload_optimizer``: the master weights and optimizer state in host memory
+    (``autosp.OffloadOptimizer``, ZeRO-Offload): each GPU keeps the parameters and gradients.
     """
     name, config = load_model_config(model)
     for label, v in (("gpus", gpus), ("batch_size", batch_size), ("seq_multiple", seq_multiple)):
@@ -228,6 +232,14 @@ def plan(
             f"[plan] found optimizer_sharding={optimizer_sharding!r}; expected one of "
             f"{OPTIMIZER_SHARDING}"
         )
+    if not isinstance(offload_optimizer, bool):
+        raise AutospError(f"[plan] found offload_optimizer={offload_optimizer!r}; expected True "
+                          "or False")
+    if offload_optimizer and fsdp:
+        raise AutospError("[plan] found offload_optimizer and fsdp together; expected one: "
+                          "autosp.OffloadOptimizer keeps the whole optimizer state of one rank in "
+                          "host memory, fsdp splits it over the ranks (their combination is not "
+                          "built)")
     budget = parse_bytes(gpu_memory)
     chosen = _parse_strategies(strategies)
     if plot is not None:
@@ -257,10 +269,12 @@ def plan(
                 tile_mlp=c.tile_mlp)
         traced = traces[(p, c.tile_loss, c.tile_mlp)]
         num_params = traced.num_params
-        shards = {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
+        # OffloadOptimizer keeps a rank's whole state on its host: no ZeRO-1 sharding.
+        shards = 1 if offload_optimizer else {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
         options = _core_options(c.remat, dtype, traced.num_params, shards,
                                 param_shards=gpus if fsdp else 1, offload=c.offload,
-                                offload_all=c.offload_all, loss_chunks=loss_chunks)
+                                offload_all=c.offload_all, loss_chunks=loss_chunks,
+                                offload_optimizer=offload_optimizer)
         query = _core.TrainabilityQuery()
         query.budget_bytes = budget
         query.seq_multiple = multiple
@@ -304,6 +318,7 @@ def plan(
         batch_size=batch_size, optimizer_sharding=optimizer_sharding, seq_multiple=multiple,
         seq_len=seq_len, strategies=tuple(plans), num_params=num_params,
         trace_seconds=sum(t.seconds for t in traces.values()), plot=None, fsdp=fsdp,
+        host_optimizer_bytes=_core.host_optimizer_bytes(options.training) if results else 0,
     )
     if plot is not None:
         write_plot(result, plot)
@@ -377,6 +392,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="ZeRO-3 (autosp.fully_shard): parameters, gradients and optimizer state "
                         "sharded over all GPUs")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="master weights and optimizer state in host memory, step() on the host "
+                        "(autosp.OffloadOptimizer, ZeRO-Offload)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="report peak and breakdown at this S (default: longest S of "
                         "ulysses + sequence-aware)")
@@ -413,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer_sharding=args.optimizer_sharding, fsdp=args.fsdp, seq_len=args.seq_len,
             seq_multiple=args.seq_multiple, max_seq=args.max_seq, strategies=strategies,
             plot=plot_path, loss_chunks=args.loss_chunks,
+            offload_optimizer=args.offload_optimizer,
         )
     except AutospError as e:
         print(f"autosp plan: error: {e}", file=sys.stderr)

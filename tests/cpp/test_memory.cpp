@@ -97,6 +97,7 @@ TEST(MemoryOptimizer, StateAndWorkspacePerDtypeAndSharding) {
   EXPECT_EQ(optimizer_state_bytes(offload), 0);
   EXPECT_EQ(optimizer_workspace_bytes(offload), 0);
   EXPECT_EQ(host_optimizer_bytes(offload), 16000);
+  EXPECT_EQ(host_optimizer_bytes({.num_params = 1000, .optimizer_offload = true}), 16000);
 }
 
 // Worked by hand at S = 10 (policy none saves b): persistent params 100 + optimizer 200 +

@@ -2,7 +2,8 @@
 
 A checkpoint is the folder ``<dir>/step-<N>`` after N optimizer steps, holding the model's
 and AdamW's state (``get_state_dict``: plain tensors, or the DTensor shards of a
-``fully_shard``-ed model), the learning-rate schedule and N, which is also the data position
+``fully_shard``-ed model; with ``autosp.OffloadOptimizer``, its own state dict with the master
+weights), the learning-rate schedule and N, which is also the data position
 (batches are drawn by step). It is written to ``step-<N>.tmp`` and renamed when every rank has
 finished, so a run killed while saving leaves the previous checkpoint as the latest.
 ``resume`` loads one into a run of the same model: training continues exactly where it
@@ -20,9 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from autosp.errors import AutospError
+from autosp.offload_optimizer import OffloadOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -38,7 +41,11 @@ def latest(folder: str) -> str | None:
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            scheduler: Any, step: int, layout: dict[str, Any]) -> dict[str, Any]:
-    msd, osd = get_state_dict(model, optimizer)
+    if isinstance(optimizer, OffloadOptimizer):  # its own state dict: master weights included
+        optimizer.init_state()  # DCP loads into existing tensors
+        msd, osd = get_model_state_dict(model), optimizer.state_dict()
+    else:
+        msd, osd = get_state_dict(model, optimizer)
     return {"model": msd, "optim": osd,
             "train": {"step": step, "scheduler": scheduler.state_dict(), "layout": dict(layout)}}
 
@@ -86,8 +93,12 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     state = _state(model, optimizer, scheduler, 0, layout)
     try:
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        if isinstance(optimizer, OffloadOptimizer):
+            set_model_state_dict(model, state["model"])
+            optimizer.load_state_dict(state["optim"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
     except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
         text = str(e).strip()
         found = re.search(r"(Size mismatch[^\n]*|Missing key[^\n]*|Unexpected key[^\n]*)", text)

@@ -42,8 +42,9 @@ class ModelConfig:
     layers: int = _f(2, "tiny-llama: decoder layers")
     heads: int = _f(4, "tiny-llama: query heads")
     kv_heads: int = _f(0, "tiny-llama: key/value heads (0: as many as query heads)")
-    dtype: str = _f("float32", "parameter dtype; bfloat16 with parallel.fsdp is mixed precision "
-                               "(fp32 master weights), without it pure bf16",
+    dtype: str = _f("float32", "parameter dtype; bfloat16 with parallel.fsdp or "
+                               "training.offload_optimizer is mixed precision (fp32 master "
+                               "weights), without them pure bf16",
                     ("float32", "bfloat16"))
 
 
@@ -86,6 +87,10 @@ class TrainingConfig:
     offload_all: bool = _f(False, "offload every activation a decoder layer saves for its "
                                   "backward, not only the hidden states (autosp.remat.Offload("
                                   "saved='all'); implies offload)")
+    offload_optimizer: bool = _f(False, "keep the master weights and AdamW's state in host memory "
+                                        "and step on the host (autosp.OffloadOptimizer, "
+                                        "ZeRO-Offload); the device holds parameters and "
+                                        "gradients only. Not with parallel.fsdp")
     tile_loss: bool = _f(True, "compute the loss over lm_head a chunk of tokens at a time, so that "
                                "the [tokens, vocab] logits never exist whole (autosp.compile("
                                "tile_loss=True); exact)")
@@ -268,6 +273,11 @@ def load(path: str | None, overrides: dict[tuple[str, str], Any] | None = None) 
         raise ConfigError(f"[autosp:train] training.loss_chunks = {t.loss_chunks} with "
                           "training.tile_loss = false; expected tile_loss true (the chunks are "
                           "the tiled loss's), or loss_chunks 0")
+    if t.offload_optimizer and cfg.parallel.fsdp:
+        raise ConfigError("[autosp:train] found training.offload_optimizer with parallel.fsdp; "
+                          "expected one of them: fsdp splits the optimizer state over the ranks, "
+                          "offload_optimizer keeps a rank's whole state in its host memory (their "
+                          "combination is not built)")
     m = cfg.model
     if m.hidden_size % m.heads or (m.kv_heads and m.heads % m.kv_heads):
         raise ConfigError(f"[autosp:train] model.heads = {m.heads}, model.kv_heads = {m.kv_heads}: "

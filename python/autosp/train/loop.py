@@ -142,7 +142,11 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
                               tile_mlp=t.tile_mlp,
                               loss_chunks=t.loss_chunks if t.tile_loss and t.loss_chunks else None,
                               dynamic=False)  # every batch is [batch_size, seq_len]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    if t.offload_optimizer:  # fp32 master weights and AdamW's state on the host
+        optimizer = autosp.OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=t.lr,
+                                            weight_decay=t.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = warmup_cosine(optimizer, steps=t.steps, warmup_steps=t.warmup_steps,
                               min_lr_ratio=t.min_lr_ratio)
     # What decides the data of step N (checked when resuming).
@@ -159,7 +163,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
               f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
-              f"{', offload all' if t.offload_all else ', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}, "
+              f"{', offload all' if t.offload_all else ', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}"
+              f"{', optimizer offloaded to the host' if t.offload_optimizer else ''}, "
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)

@@ -38,7 +38,8 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
         result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,
                              dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
                              batch_size=t.batch_size, optimizer_sharding="none",
-                             fsdp=cfg.parallel.fsdp, seq_len=t.seq_len, strategies=[strategy],
+                             fsdp=cfg.parallel.fsdp, offload_optimizer=t.offload_optimizer,
+                             seq_len=t.seq_len, strategies=[strategy],
                              seq_multiple=t.seq_len, max_seq=t.seq_len, curve_points=2,
                              loss_chunks=t.loss_chunks if t.tile_loss else 0)
     except Exception as e:  # a model the planner does not model: the run goes on without
@@ -81,7 +82,8 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
         result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,
                              dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
                              batch_size=t.batch_size, optimizer_sharding="none",
-                             fsdp=cfg.parallel.fsdp, seq_len=t.seq_len, gpu_memory=budget,
+                             fsdp=cfg.parallel.fsdp, offload_optimizer=t.offload_optimizer,
+                             seq_len=t.seq_len, gpu_memory=budget,
                              strategies=combinations("ulysses"), seq_multiple=t.seq_len,
                              max_seq=t.seq_len, curve_points=2,
                              loss_chunks=t.loss_chunks)  # auto may turn the tiled loss on
