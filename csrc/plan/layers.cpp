@@ -296,6 +296,7 @@ MemoryGraph replicate_layers(const MemoryGraph& traced, int32_t num_layers) {
     }
     for (int32_t& a : node.facts.args) a = image(j, c, a);
     if (node.alias_of >= 0) node.alias_of = image(j, c, node.alias_of);
+    if (node.facts.aliases >= 0) node.facts.aliases = image(j, c, node.facts.aliases);
     node.layer = label[j];
     if (c > 0) {
       node.layer = m + c;

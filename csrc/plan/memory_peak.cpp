@@ -104,10 +104,16 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
   }
   // Offloaded storages leave the device after their last forward use (the host copy is made
   // when they are computed) and are reloaded for the backward.
-  std::vector<uint8_t> offloaded(n, 0);
+  // A storage saved through several nodes (a view and its base, two views) leaves the device
+  // only when every one of them is offloaded.
+  std::vector<uint8_t> offloaded(n, 0), kept(n, 0), chosen(n, 0);
+  for (int32_t i : decision.offloaded) chosen[i] = 1;
+  for (int32_t i = 0; i < n; ++i) {
+    if (saved(i) && !chosen[i]) kept[root(i)] = 1;
+  }
   for (int32_t i : decision.offloaded) {
     const int32_t r = root(i);
-    if (!is_saved_storage[r] || nodes[r].forward_output || offloaded[r]) continue;
+    if (!is_saved_storage[r] || nodes[r].forward_output || offloaded[r] || kept[r]) continue;
     offloaded[r] = 1;
     held[r] = 0;
     out.offloaded_bytes += alloc[r];

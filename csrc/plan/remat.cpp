@@ -281,14 +281,29 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
     }
   }
   if (options.offload_layer_outputs || options.offload_layer_saved) {
+    // Saved nodes per storage (a view counts for what it views): a view is copied only when it
+    // is the one saved node of its storage, and holds all of it; otherwise the copy would add
+    // host traffic and leave the storage on the device.
+    std::vector<int32_t> saved_per_base(n, 0);
+    for (int32_t i : solution.saved) ++saved_per_base[remat_detail::storage_base(graph, i)];
     for (int32_t i : solution.saved) {
       const RematNode& node = graph.nodes[i];
       const bool chosen = options.offload_layer_saved ? is_numbered_layer(node.layer)
                                                       : remat_detail::leaves_layer(graph, i);
-      // As PyTorch's offloading pass: views share their base's storage, getitems and
-      // non-contiguous tensors it skips.
-      if (node.save_cost != RematSaveCost::kTensor || node.kind == RematOpKind::kView ||
-          node.getitem || !node.contiguous || node.static_lifetime || node.primal_input || !chosen)
+      // PyTorch's offloading pass copies contiguous tensors only, and neither views nor
+      // getitems: the partitioner hands it a contiguous alias (a view, a detach) or getitem
+      // as a copy of its own (python/autosp/remat_partition.py). A storage saved through two
+      // nodes stays on the device (a copy would add host traffic and free nothing), and so
+      // does an alias of a parameter or an input (they stay there anyway) or of a larger
+      // storage.
+      if (node.save_cost != RematSaveCost::kTensor || !node.contiguous || node.static_lifetime ||
+          node.primal_input || !chosen)
+        continue;
+      const int32_t base = remat_detail::storage_base(graph, i);
+      const RematNode& b = graph.nodes[base];
+      if (saved_per_base[base] != 1) continue;
+      if (base != i && (b.kind == RematOpKind::kInput || b.static_lifetime || b.primal_input ||
+                        b.bytes != node.bytes))
         continue;
       solution.offloaded.push_back(i);
       solution.offloaded_bytes += node.bytes;

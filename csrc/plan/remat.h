@@ -93,6 +93,9 @@ struct RematNode {
   // fusible_user[i]: PyTorch's is_fusible(this, users[i]) (both fusible, or users[i] is cat).
   std::vector<uint8_t> fusible_user;
   std::vector<int32_t> args;  // indices of the top-level Node arguments (for the reduction ban)
+  // The node whose storage this one's output shares (a view, a detach, a wait on a
+  // collective: autosp.remat_facts.aliased_arg), or -1.
+  int32_t aliases = -1;
 
   bool operator==(const RematNode&) const = default;
 };

@@ -198,6 +198,16 @@ bool leaves_layer(const RematGraph& graph, int32_t i) {
   return false;
 }
 
+int32_t storage_base(const RematGraph& graph, int32_t i) {
+  const int32_t n = static_cast<int32_t>(graph.nodes.size());
+  for (int32_t steps = 0; steps < n; ++steps) {  // a chain of aliases, never a cycle
+    const int32_t a = graph.nodes[i].aliases;
+    if (a < 0 || a >= n) return i;
+    i = a;
+  }
+  return i;
+}
+
 void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, Bans& bans) {
   const auto& nodes = p.graph->nodes;
   for (int32_t i = 0; i < static_cast<int32_t>(nodes.size()); ++i) {

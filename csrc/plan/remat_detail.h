@@ -54,6 +54,10 @@ class Bans {
 // (or outside layers): the hidden state one decoder layer hands to the next (remat_bans.cpp).
 bool leaves_layer(const RematGraph& graph, int32_t i);
 
+// The node that owns the storage `i`'s value lives in: RematNode::aliases followed to a node
+// that aliases nothing (`i` itself when it aliases nothing).
+int32_t storage_base(const RematGraph& graph, int32_t i);
+
 // Each policy's bans (remat_bans.cpp).
 // PyTorch's default partitioner bans (its allowlist, heavy ops, ops far from the backward...).
 void default_bans(const Prepared& p, const RematOptions& options, Bans& bans);

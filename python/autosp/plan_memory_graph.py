@@ -13,7 +13,7 @@ import torch
 
 from autosp import _core, tiled_loss, tiled_rows
 from autosp.errors import AutospError
-from autosp.remat_facts import _COLLECTIVE_NAMESPACES, layer_of_path
+from autosp.remat_facts import _COLLECTIVE_NAMESPACES, aliased_arg, layer_of_path
 
 
 def _seq_symbols(joint: Any, shape_env: Any) -> set:
@@ -92,34 +92,6 @@ def _value_bytes_expr(val: Any, shape_env: Any) -> Any:
     if isinstance(val, dict):
         return sum((_tensor_bytes_expr(v, shape_env) for v in val.values()), sympy.Integer(0))
     return _tensor_bytes_expr(val, shape_env)
-
-
-def _aliased_arg(node: Any) -> Any:
-    """The input node whose storage `node`'s output shares, or None."""
-    import torch
-    import torch.fx as fx
-
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    if target.namespace in _COLLECTIVE_NAMESPACES and "wait_tensor" in target.name():
-        return node.args[0]
-    if target is torch.ops.aten._unsafe_view.default:  # a view of a fresh clone
-        return node.args[0]
-    schema = target._schema
-    sets = set()
-    for ret in schema.returns:
-        if ret.alias_info is not None:
-            sets |= set(ret.alias_info.before_set)
-    if not sets:
-        return None
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if isinstance(value, fx.Node):
-            return value
-    return None
 
 
 def _size_at(seq_value: int, seq_symbol: Any, shape_env: Any) -> Any:
@@ -236,7 +208,7 @@ def _memory_graph(
             m.role = _core.MemoryRole.COMPUTE
             if n.target is operator.getitem:
                 parent = n.args[0]
-                base = _aliased_arg(parent) if isinstance(parent, torch.fx.Node) else None
+                base = aliased_arg(parent) if isinstance(parent, torch.fx.Node) else None
                 if base is not None and base in index:
                     m.alias_of = index[base]
                 else:
@@ -244,12 +216,12 @@ def _memory_graph(
             elif isinstance(val, (list, tuple)):
                 # A multi-output op: each output used through a getitem is allocated there;
                 # the unused ones live only while the op runs.
-                if _aliased_arg(n) is None:
+                if aliased_arg(n) is None:
                     used = {u.args[1] for u in n.users if u.target is operator.getitem}
                     unused = [v for k, v in enumerate(val) if k not in used]
                     m.scratch_bytes = _to_seq_bytes(_value_bytes_expr(unused, shape_env), seq)
             else:
-                base = _aliased_arg(n)
+                base = aliased_arg(n)
                 if base is not None and base in index:
                     m.alias_of = index[base]
                 else:

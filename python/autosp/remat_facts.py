@@ -233,6 +233,31 @@ def is_parameter_collective(node: fx.Node) -> bool:
     return isinstance(src, fx.Node) and src.op == "placeholder"
 
 
+def aliased_arg(node: Any) -> Any:
+    """The input node whose storage `node`'s output shares, or None."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace in _COLLECTIVE_NAMESPACES and "wait_tensor" in target.name():
+        return node.args[0]
+    if target is torch.ops.aten._unsafe_view.default:  # a view of a fresh clone
+        return node.args[0]
+    schema = target._schema
+    sets = set()
+    for ret in schema.returns:
+        if ret.alias_info is not None:
+            sets |= set(ret.alias_info.before_set)
+    if not sets:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            return value
+    return None
+
+
 def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
     """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
     graph, in graph order, with sizes and FLOPs at the trace's hint; the planner builds its
@@ -301,5 +326,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
         f.users = users
         f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]
         f.args = [index[a] for a in node.args if isinstance(a, fx.Node)]
+        base = aliased_arg(node) if node.op == "call_function" else None
+        f.aliases = index.get(base, -1) if base is not None else -1
         facts.append(f)
     return nodes, facts

@@ -87,7 +87,8 @@ void init_remat(nb::module_& m) {
       .def_rw("contiguous", &RematNode::contiguous)
       .def_rw("users", &RematNode::users)
       .def_rw("fusible_user", &RematNode::fusible_user)
-      .def_rw("args", &RematNode::args);
+      .def_rw("args", &RematNode::args)
+      .def_rw("aliases", &RematNode::aliases);
 
   nb::class_<RematOptions>(m, "RematOptions")
       .def(nb::init<>())

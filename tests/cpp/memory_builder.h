@@ -51,6 +51,7 @@ class MemoryGraphBuilder {
     f.static_lifetime = s.role == MemoryRole::kParameter;
     f.fusible = f.kind == RematOpKind::kCheap || f.kind == RematOpKind::kView;
     f.contiguous = !s.non_contiguous;
+    f.aliases = s.alias_of;
     const int32_t id = static_cast<int32_t>(graph.nodes.size());
     for (int32_t in : s.inputs) {
       RematNode& producer = graph.nodes[in].facts;

@@ -473,6 +473,96 @@ TEST(MemoryOffload, EverySavedTensorOfALayerLeavesTheDevice) {
   EXPECT_EQ(b.peak_node, "g2");
 }
 
+// Offload reaches a saved view (q_proj's output viewed as heads, SDPA's output through a
+// getitem): the partitioner hands PyTorch's pass a copy of it, so what it views leaves the
+// device as a saved tensor of its own would. The graph of EverySavedTensorOfALayerLeavesTheDevice
+// with each layer's backward reading v_k, a contiguous view of a_k.
+TEST(MemoryOffload, ASavedViewLeavesTheDeviceThroughACopy) {
+  using S = MemoryGraphBuilder::Spec;
+  auto build = [](bool strided_view, bool second_alias) {
+    MemoryGraphBuilder g;
+    int prev = g.add(S{.name = "x", .role = MemoryRole::kInput, .bytes = SeqBytes::term(1, 1)});
+    std::vector<int> v, w;
+    for (int k = 0; k < 4; ++k) {
+      const std::string layer = "layers." + std::to_string(k);
+      const int a = g.add(S{.name = "a" + std::to_string(k),
+                            .kind = RematOpKind::kOther,
+                            .bytes = SeqBytes::term(8, 1),
+                            .inputs = {prev},
+                            .layer = layer});
+      v.push_back(g.add(S{.name = "v" + std::to_string(k),
+                          .kind = RematOpKind::kView,
+                          .bytes = SeqBytes::term(8, 1),
+                          .inputs = {a},
+                          .layer = layer,
+                          .alias_of = a,
+                          .non_contiguous = strided_view}));
+      if (second_alias)  // a transposed view of the same storage, also read by the backward
+        w.push_back(g.add(S{.name = "w" + std::to_string(k),
+                            .kind = RematOpKind::kView,
+                            .bytes = SeqBytes::term(8, 1),
+                            .inputs = {a},
+                            .layer = layer,
+                            .alias_of = a,
+                            .non_contiguous = true}));
+      prev = g.add(S{.name = "h" + std::to_string(k),
+                     .bytes = SeqBytes::term(8, 1),
+                     .inputs = {v.back()},
+                     .layer = layer});
+    }
+    g.add(S{
+        .name = "loss", .bytes = SeqBytes::constant(4), .inputs = {prev}, .forward_output = true});
+    int grad = g.add(S{.name = "t",
+                       .role = MemoryRole::kTangent,
+                       .bytes = SeqBytes::constant(4),
+                       .fw = false,
+                       .tangent = true});
+    for (int k = 3; k >= 0; --k) {
+      std::vector<int32_t> in{grad, v[static_cast<size_t>(k)]};
+      if (second_alias) in.push_back(w[static_cast<size_t>(k)]);
+      grad = g.add(S{.name = "g" + std::to_string(k),
+                     .bytes = SeqBytes::term(8, 1),
+                     .inputs = in,
+                     .fw = false,
+                     .tangent = true,
+                     .layer = "layers." + std::to_string(k)});
+    }
+    return std::pair{g.graph, v};
+  };
+  const int64_t seq = 1000;
+  MemoryOptions all = fp32_options(RematStrategy::kSequenceAware, 0);
+  all.offload_layer_outputs = true;
+  all.offload_layer_saved = true;
+  const auto [graph, v] = build(false, false);
+  const RematDecision d = decide_remat(graph, seq, all);
+  for (int k = 0; k < 4; ++k) {
+    const int32_t vk = v[static_cast<size_t>(k)];
+    EXPECT_EQ(d.fate[vk], RematFate::kSaved) << k;
+    EXPECT_NE(std::find(d.offloaded.begin(), d.offloaded.end(), vk), d.offloaded.end()) << k;
+  }
+  // As EverySavedTensorOfALayerLeavesTheDevice, at g2: x, two views' storages (read and
+  // prefetched), g3 and g2, the loss.
+  const MemoryBreakdown b = simulate_peak_memory(graph, seq, all);
+  EXPECT_EQ(b.offloaded_bytes, 4 * 8 * seq);
+  EXPECT_EQ(b.peak, 1 * seq + 2 * 8 * seq + 2 * 8 * seq + 4);
+  // A strided view is not copied: its storage stays, as all four do without offload.
+  const MemoryBreakdown strided = simulate_peak_memory(build(true, false).first, seq, all);
+  EXPECT_EQ(strided.offloaded_bytes, 0);
+  EXPECT_EQ(strided.peak, 1 * seq + 4 * 8 * seq + 8 * seq + 4 + 4);
+  // Read through a second, strided view as well, a_k itself is saved (both views are
+  // recomputed from it) and offloaded whole: the same peak, no copy.
+  const auto [graph2, v2] = build(false, true);
+  const RematDecision d2 = decide_remat(graph2, seq, all);
+  for (int k = 0; k < 4; ++k) {
+    const int32_t ak = v2[static_cast<size_t>(k)] - 1;
+    EXPECT_EQ(d2.fate[ak], RematFate::kSaved) << k;
+    EXPECT_NE(std::find(d2.offloaded.begin(), d2.offloaded.end(), ak), d2.offloaded.end()) << k;
+  }
+  const MemoryBreakdown twice = simulate_peak_memory(graph2, seq, all);
+  EXPECT_EQ(twice.offloaded_bytes, 4 * 8 * seq);
+  EXPECT_EQ(twice.peak, b.peak);
+}
+
 TEST(MemoryTiledLoss, WorkspaceOfTheTiledLossOp) {
   // ceil(classes / hidden) chunks: k * classes per row of h over 100 chunks (k * hidden per
   // row), and one row of logits for the rounding up of a chunk's rows.
