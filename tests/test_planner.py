@@ -522,3 +522,26 @@ def test_offloaded_optimizer_leaves_the_device(traced_p2: planner.TracedStep,
     assert cli.main(["plan", "--model", "llama-3.2-1b", "--gpus", "2", "--fsdp",
                      "--offload-optimizer", "--no-plot"]) == 2
     assert "found offload_optimizer and fsdp together" in capsys.readouterr().err
+
+
+def test_host_memory_bounds_offload(traced_p2: planner.TracedStep) -> None:
+    """``host_memory``: offloaded activations and an offloaded optimizer take host memory,
+    which bounds the longest S like the GPU's memory does (predicted, per rank)."""
+    kw = dict(gpus=2, sp=2, gpu_memory="1GiB", dtype="fp32", batch_size=BATCH, seq_len=512,
+              seq_multiple=256, max_seq=1 << 16, offload_optimizer=True,
+              strategies=["ulysses+sequence-aware+offload-all"])
+    free = planner.plan(TINY, **kw).strategies[0]
+    at = free.at_seq
+    assert at.host_bytes == at.offloaded_bytes + 16 * planner.plan(TINY, **kw).num_params
+    assert at.offloaded_bytes > 0
+    # A host that holds the step at S = 512 and not much more.
+    bound = planner.plan(TINY, host_memory=at.host_bytes, **kw)
+    s = bound.strategies[0]
+    assert 512 <= s.longest_seq < free.longest_seq
+    assert s.at_longest.host_bytes <= at.host_bytes
+    assert bound.cheapest() is not None and "host memory" in bound.table()
+    tight = planner.plan(TINY, host_memory=at.host_bytes - 1, **kw)
+    assert tight.strategies[0].longest_seq < 512 and tight.cheapest() is None
+    assert "*" in tight.table().splitlines()[3]
+    with pytest.raises(AutospError, match=r"found host memory 'lots'; expected a positive size"):
+        planner.plan(TINY, host_memory="lots", **kw)

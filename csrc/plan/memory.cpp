@@ -296,8 +296,12 @@ Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions
     ++result.evaluations;
     return simulate_peak_memory(graph, k * m, options);
   };
+  auto fits = [&](const MemoryBreakdown& b) {
+    return b.peak <= query.budget_bytes &&
+           (query.host_budget_bytes <= 0 || b.host_bytes <= query.host_budget_bytes);
+  };
   MemoryBreakdown b = eval(1);
-  if (b.peak > query.budget_bytes) {
+  if (!fits(b)) {
     result.first_oom = b;
     return result;
   }
@@ -310,7 +314,7 @@ Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions
     }
     const int64_t k = std::min(lo * 2, kmax);
     MemoryBreakdown bk = eval(k);
-    if (bk.peak <= query.budget_bytes) {
+    if (fits(bk)) {
       lo = k;
       at_lo = bk;
     } else {
@@ -322,7 +326,7 @@ Trainability longest_trainable_seq(const MemoryGraph& graph, const MemoryOptions
   while (hi > lo + 1) {
     const int64_t mid = lo + (hi - lo) / 2;
     MemoryBreakdown bm = eval(mid);
-    if (bm.peak <= query.budget_bytes) {
+    if (fits(bm)) {
       lo = mid;
       at_lo = bm;
     } else {

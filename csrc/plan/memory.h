@@ -201,6 +201,9 @@ struct MemoryBreakdown {
   // With offload: the saved bytes kept in host memory between forward and backward (each step
   // copies them to the host and back once).
   int64_t offloaded_bytes = 0;
+  // Host memory the step holds per rank: offloaded_bytes and, with
+  // TrainingConfig::optimizer_offload, the optimizer (host_optimizer_bytes).
+  int64_t host_bytes = 0;
 
   bool operator==(const MemoryBreakdown&) const = default;
 };
@@ -317,6 +320,8 @@ struct TrainabilityQuery {
   int64_t budget_bytes = 0;   // per rank
   int64_t seq_multiple = 1;   // S is searched over multiples of this (a multiple of P)
   int64_t max_seq = 1 << 24;  // search no further than this
+  // Host memory per rank (MemoryBreakdown::host_bytes) a step may take; 0: no limit.
+  int64_t host_budget_bytes = 0;
 
   bool operator==(const TrainabilityQuery&) const = default;
 };

@@ -312,6 +312,7 @@ MemoryBreakdown simulate_peak_memory(const MemoryGraph& graph, int64_t seq,
   // Activations still live here would be a leak in the graph; only gradients and held
   // forward outputs (the loss) remain.
   record(extra, "optimizer", "optimizer.step");
+  out.host_bytes = out.offloaded_bytes + host_optimizer_bytes(options.training);
   return out;
 }
 

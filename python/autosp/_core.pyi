@@ -981,6 +981,9 @@ class MemoryBreakdown:
     @property
     def offloaded_bytes(self) -> int: ...
 
+    @property
+    def host_bytes(self) -> int: ...
+
 class TrainabilityQuery:
     def __init__(self) -> None: ...
 
@@ -1001,6 +1004,12 @@ class TrainabilityQuery:
 
     @max_seq.setter
     def max_seq(self, arg: int, /) -> None: ...
+
+    @property
+    def host_budget_bytes(self) -> int: ...
+
+    @host_budget_bytes.setter
+    def host_budget_bytes(self, arg: int, /) -> None: ...
 
 class Trainability:
     @property

@@ -44,19 +44,19 @@ OPTIMIZER_SHARDING = ("none", "dp", "world")
 # Inputs
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """``"80GB"`` -> 80 GiB. GPU vendors' "GB" are binary (an A100 80GB has 81920 MiB), so
+def parse_bytes(text: str | int | float, what: str = "GPU memory") -> int:
+    """``"80GB"`` -> 80 GiB (``what`` names the value in errors). GPU vendors' "GB" are binary (an A100 80GB has 81920 MiB), so
     GB/GiB, MB/MiB, TB/TiB and KB/KiB are all powers of 1024; a bare number is bytes."""
     if isinstance(text, bool):
-        raise AutospError(f"[plan] found GPU memory {text!r}; expected a size such as '80GB'")
+        raise AutospError(f"[plan] found {what} {text!r}; expected a size such as '80GB'")
     if isinstance(text, (int, float)):
         if text <= 0:
-            raise AutospError(f"[plan] found GPU memory {text!r}; expected a positive size")
+            raise AutospError(f"[plan] found {what} {text!r}; expected a positive size")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*", str(text), re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
         raise AutospError(
-            f"[plan] found GPU memory {text!r}; expected a positive size such as '80GB', "
+            f"[plan] found {what} {text!r}; expected a positive size such as '80GB', "
             "'96GiB' or a number of bytes"
         )
     unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")

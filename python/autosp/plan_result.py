@@ -44,6 +44,8 @@ class MemoryPrediction:
     recompute_flops: float = 0.0
     # With offload: the saved bytes kept in host memory, copied there and back once per step.
     offloaded_bytes: int = 0
+    # Host memory per rank: offloaded_bytes and the offloaded optimizer's state.
+    host_bytes: int = 0
 
     @property
     def recompute_overhead(self) -> float:
@@ -59,7 +61,7 @@ class MemoryPrediction:
             transient=b.transient, communication=b.communication, inputs=b.inputs,
             phase=b.phase, peak_node=b.peak_node, saved_bytes=b.saved_bytes,
             step_flops=b.step_flops, recompute_flops=b.recompute_flops,
-            offloaded_bytes=b.offloaded_bytes,
+            offloaded_bytes=b.offloaded_bytes, host_bytes=b.host_bytes,
         )
 
     @property
@@ -119,6 +121,7 @@ class PlanResult:
     plot: str | None = None
     fsdp: bool = False
     host_optimizer_bytes: int = 0  # per rank, with offload_optimizer (autosp.OffloadOptimizer)
+    host_memory: int = 0  # host memory per rank a strategy may take (plan(host_memory=...)); 0: any
 
     def strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -128,8 +131,11 @@ class PlanResult:
 
     def cheapest(self) -> StrategyPlan | None:
         """The strategy with the least predicted step-time overhead (MemoryPrediction.overhead)
-        whose predicted peak at ``seq_len`` fits ``gpu_memory``; None when none fits."""
-        fit = [s for s in self.strategies if s.at_seq is not None and s.at_seq.peak <= self.gpu_memory]
+        whose predicted peak at ``seq_len`` fits ``gpu_memory`` (and its host memory
+        ``host_memory``, when set); None when none fits."""
+        fit = [s for s in self.strategies if s.at_seq is not None
+               and s.at_seq.peak <= self.gpu_memory
+               and (not self.host_memory or s.at_seq.host_bytes <= self.host_memory)]
         return min(fit, key=lambda s: (s.at_seq.overhead, s.at_seq.peak), default=None)
 
     def table(self) -> str:
@@ -143,7 +149,9 @@ class PlanResult:
                 if self.fsdp else
                 f"optimizer state in host memory ({self.host_optimizer_bytes / gib:.1f} GiB per "
                 "rank, autosp.OffloadOptimizer)" if self.host_optimizer_bytes else
-                f"optimizer state sharded over {self.optimizer_sharding}"),
+                f"optimizer state sharded over {self.optimizer_sharding}")
+            + (f", host memory {self.host_memory / gib:.0f} GiB per rank" if self.host_memory
+               else ""),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
             "state, saved activations, transient, communication; recomp: FLOPs computed again "
             "(remat, tiled loss) over the step's; host: GiB offloaded, moved to the host and back "
@@ -160,19 +168,21 @@ class PlanResult:
                 detail = "   (S not a multiple of this strategy's SP degree)"
             else:
                 oom = "*" if b.peak > self.gpu_memory else " "
+                host_oom = "*" if self.host_memory and b.host_bytes > self.host_memory else " "
                 detail = (
                     f"{b.peak / gib:>7.2f}{oom} {b.parameters / gib:>6.2f} {b.gradients / gib:>7.2f} "
                     f"{b.optimizer_state / gib:>7.2f} {b.saved_activations / gib:>7.2f} "
                     f"{b.transient / gib:>7.2f} {b.communication / gib:>6.2f} "
                     f"{f'+{100 * b.recompute_overhead:.0f}%':>7} "
-                    f"{(f'{b.offloaded_bytes / gib:.2f} ({b.offload_seconds(HOST_BANDWIDTH):.2f}s)' if b.offloaded_bytes else '-'):>13}"
+                    f"{(f'{b.offloaded_bytes / gib:.2f} ({b.offload_seconds(HOST_BANDWIDTH):.2f}s)' if b.offloaded_bytes else '-'):>13}{host_oom}"
                     f"  {b.phase} ({b.peak_node})"
                 )
             lines.append(
                 f"{s.name:<{width}} {f'{s.dp_size} x {s.sp_size}':>12} {longest:>10} {detail}"
             )
-        lines.append("* over the budget. Longest S is searched over multiples of "
-                     f"{self.seq_multiple}.")
+        lines.append("* over the budget (after host: over the host memory, offloaded activations "
+                     "and optimizer together). Longest S is searched over multiples of "
+                     f"{self.seq_multiple}" + (", and fits both." if self.host_memory else "."))
         best = self.cheapest()
         lines.append(
             f"cheapest that fits at S = {self.seq_len}: " + (

@@ -195,6 +195,7 @@ def plan(
     plot: str | Path | None = None,
     loss_chunks: int = 0,
     offload_optimizer: bool = False,
+    host_memory: str | int | None = None,
 ) -> PlanResult:
     """Predicted peak memory per rank and the longest trainable sequence for each strategy.
 
@@ -212,6 +213,8 @@ def plan(
     (``StrategyPlan.fit_loss_chunks``: fewer chunks read the weight fewer times).
     ``offload_optimizer``: the master weights and optimizer state in host memory
     (``autosp.OffloadOptimizer``, ZeRO-Offload): each GPU keeps the parameters and gradients.
+    ``host_memory``: the host memory per GPU (e.g. "250GB") that offloaded activations and the
+    offloaded optimizer may take; the longest S must fit it too (default: no limit).
     """
     name, config = load_model_config(model)
     for label, v in (("gpus", gpus), ("batch_size", batch_size), ("seq_multiple", seq_multiple)):
@@ -241,6 +244,7 @@ def plan(
                           "host memory, fsdp splits it over the ranks (their combination is not "
                           "built)")
     budget = parse_bytes(gpu_memory)
+    host_budget = parse_bytes(host_memory, "host memory") if host_memory is not None else 0
     chosen = _parse_strategies(strategies)
     if plot is not None:
         _matplotlib()  # before the trace: a missing plotting library fails in a second
@@ -279,6 +283,7 @@ def plan(
         query.budget_bytes = budget
         query.seq_multiple = multiple
         query.max_seq = max(max_seq, multiple)
+        query.host_budget_bytes = host_budget
         try:
             found = _core.longest_trainable_seq(traced.graph, options, query)
         except ValueError as e:
@@ -319,6 +324,7 @@ def plan(
         seq_len=seq_len, strategies=tuple(plans), num_params=num_params,
         trace_seconds=sum(t.seconds for t in traces.values()), plot=None, fsdp=fsdp,
         host_optimizer_bytes=_core.host_optimizer_bytes(options.training) if results else 0,
+        host_memory=host_budget,
     )
     if plot is not None:
         write_plot(result, plot)
@@ -395,6 +401,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", action="store_true",
                    help="master weights and optimizer state in host memory, step() on the host "
                         "(autosp.OffloadOptimizer, ZeRO-Offload)")
+    p.add_argument("--host-memory", default=None,
+                   help="host memory per GPU that offloaded activations and an offloaded "
+                        "optimizer may take, e.g. 250GB (default: no limit)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="report peak and breakdown at this S (default: longest S of "
                         "ulysses + sequence-aware)")
@@ -431,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer_sharding=args.optimizer_sharding, fsdp=args.fsdp, seq_len=args.seq_len,
             seq_multiple=args.seq_multiple, max_seq=args.max_seq, strategies=strategies,
             plot=plot_path, loss_chunks=args.loss_chunks,
-            offload_optimizer=args.offload_optimizer,
+            offload_optimizer=args.offload_optimizer, host_memory=args.host_memory,
         )
     except AutospError as e:
         print(f"autosp plan: error: {e}", file=sys.stderr)

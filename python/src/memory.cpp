@@ -131,13 +131,15 @@ void init_memory(nb::module_& m) {
       .def_ro("recomputed_count", &MemoryBreakdown::recomputed_count)
       .def_ro("step_flops", &MemoryBreakdown::step_flops)
       .def_ro("recompute_flops", &MemoryBreakdown::recompute_flops)
-      .def_ro("offloaded_bytes", &MemoryBreakdown::offloaded_bytes);
+      .def_ro("offloaded_bytes", &MemoryBreakdown::offloaded_bytes)
+      .def_ro("host_bytes", &MemoryBreakdown::host_bytes);
 
   nb::class_<TrainabilityQuery>(m, "TrainabilityQuery")
       .def(nb::init<>())
       .def_rw("budget_bytes", &TrainabilityQuery::budget_bytes)
       .def_rw("seq_multiple", &TrainabilityQuery::seq_multiple)
-      .def_rw("max_seq", &TrainabilityQuery::max_seq);
+      .def_rw("max_seq", &TrainabilityQuery::max_seq)
+      .def_rw("host_budget_bytes", &TrainabilityQuery::host_budget_bytes);
 
   nb::class_<Trainability>(m, "Trainability")
       .def_ro("longest_seq", &Trainability::longest_seq)

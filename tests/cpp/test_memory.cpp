@@ -396,6 +396,24 @@ TEST(MemoryOffload, LayerOutputsLeaveTheDeviceBetweenForwardAndBackward) {
   // Offload, at g2: x, two hidden states (h2 read, h1 prefetched), g3 and g2, the loss.
   EXPECT_EQ(b.peak, 1 * seq + 2 * 8 * seq + 2 * 8 * seq + 4);
   EXPECT_EQ(b.peak_node, "g2");
+  EXPECT_EQ(b.host_bytes, b.offloaded_bytes);
+  // A host budget bounds the longest S too: 32 bytes per position offloaded, so 32,000 bytes
+  // of host memory stop the search at S = 1000 however much device memory there is.
+  const TrainabilityQuery roomy{
+      .budget_bytes = int64_t{1} << 40, .seq_multiple = 100, .max_seq = 100'000};
+  EXPECT_EQ(longest_trainable_seq(g.graph, offload, roomy).longest_seq, 100'000);
+  TrainabilityQuery host = roomy;
+  host.host_budget_bytes = 32 * 1000;
+  const Trainability t = longest_trainable_seq(g.graph, offload, host);
+  EXPECT_EQ(t.longest_seq, 1000);
+  EXPECT_EQ(t.at_longest.host_bytes, 32 * 1000);
+  EXPECT_GT(t.first_oom.host_bytes, host.host_budget_bytes);
+  EXPECT_LE(t.first_oom.peak, roomy.budget_bytes);  // the device would have had room
+  // The offloaded optimizer's host state counts too.
+  MemoryOptions both = offload;
+  both.training.num_params = 100;
+  both.training.optimizer_offload = true;
+  EXPECT_EQ(simulate_peak_memory(g.graph, seq, both).host_bytes, 4 * 8 * seq + 1600);
   // Full checkpointing (no solver) offloads nothing.
   MemoryOptions full = fp32_options(RematStrategy::kFullCheckpoint, 0);
   full.offload_layer_outputs = true;
