@@ -49,9 +49,14 @@ def test_fp32_steps_equal_the_plain_optimizer_bit_for_bit() -> None:
     for (name, p), q in zip(ref.named_parameters(), off.parameters()):
         assert torch.equal(p, q), name
     assert b.param_groups[0]["lr"] == a.param_groups[0]["lr"] == pytest.approx(1e-2 / 5)
+    assert b.optimizer.param_groups[1]["weight_decay"] == 0.0
     # The device parameters are not the optimizer's tensors: the masters are separate copies.
-    masters = [m for g in b.param_groups for m in g["params"]]
+    masters = [m for g in b.optimizer.param_groups for m in g["params"]]
     assert not any(m.data_ptr() == p.data_ptr() for m in masters for p in off.parameters())
+    # To the code around it the groups are the model's parameters, with their state.
+    assert [p for g in b.param_groups for p in g["params"]] == list(off.parameters())
+    assert all(torch.equal(b.state[p]["exp_avg_sq"], a.state[q]["exp_avg_sq"])
+               for p, q in zip(off.parameters(), ref.parameters()))
     moments = [s["exp_avg"] for s in a.state.values()]
     assert all(torch.equal(x, y) for x, y in zip(moments, [s["exp_avg"] for s in b.state.values()]))
 
@@ -59,7 +64,7 @@ def test_fp32_steps_equal_the_plain_optimizer_bit_for_bit() -> None:
 def test_bf16_parameters_step_fp32_master_weights() -> None:
     off = _model(torch.bfloat16)
     opt = OffloadOptimizer(off.parameters(), lr=1e-2)  # AdamW by default
-    masters = [m for g in opt.param_groups for m in g["params"]]
+    masters = [m for g in opt.optimizer.param_groups for m in g["params"]]
     assert all(m.dtype == torch.float32 and m.device.type == "cpu" for m in masters)
     # The reference: torch's AdamW on fp32 copies, fed the bf16 gradients upcast.
     ref = [p.detach().float().clone().requires_grad_() for p in off.parameters()]
@@ -132,6 +137,71 @@ def test_closure_runs_before_the_copy() -> None:
     assert isinstance(loss, torch.Tensor) and not torch.equal(m[0].weight, before)
 
 
+def test_what_the_code_around_an_optimizer_does_reaches_the_step() -> None:
+    """Found by a breaker, each silently wrong before: weights loaded after the optimizer was
+    built (the master is read again, its version counter changed), clipping through
+    ``param_groups`` (they hold the device parameters, whose gradients the step copies), and
+    ``GradScaler`` (unscales the device gradients, skips a step on inf)."""
+    lin = torch.nn.Linear(2, 2)
+    opt = OffloadOptimizer(lin.parameters(), torch.optim.SGD, lr=0.0)
+    with torch.no_grad():
+        lin.weight.fill_(7.0)  # e.g. model.load_state_dict(pretrained) after the optimizer
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert torch.equal(lin.weight, torch.full((2, 2), 7.0))
+    moved = []
+    for make in (torch.optim.SGD, lambda ps, lr: OffloadOptimizer(ps, torch.optim.SGD, lr=lr)):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(2, 2)
+        before = lin.weight.detach().clone()
+        opt = make(lin.parameters(), lr=1.0)
+        lin(torch.ones(1, 2) * 100).sum().backward()
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 0.01)
+        opt.step()
+        moved.append(lin.weight.detach() - before)
+    assert torch.equal(moved[0], moved[1]) and moved[1].norm() < 0.011
+    # GradScaler: unscale_ reaches the device gradients; an inf skips the step.
+    for inf in (False, True):
+        torch.manual_seed(0)
+        ref, lin = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        lin.load_state_dict(ref.state_dict())
+        steps = []
+        for m, opt in ((ref, torch.optim.SGD(ref.parameters(), lr=0.1)),
+                       (lin, OffloadOptimizer(lin.parameters(), torch.optim.SGD, lr=0.1))):
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            x = torch.ones(1, 2) * (float("inf") if inf else 1.0)
+            scaler.scale(m(x).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            steps.append(m.weight.detach().clone())
+        assert torch.equal(steps[0], steps[1]), inf
+    assert torch.equal(lin.weight, ref.weight)
+
+
+def test_copies_and_pickles_without_breaking_others() -> None:
+    """A deepcopy or a pickle of the optimizer used to break every OffloadOptimizer of the
+    process (torch patches the class's step on unpickling). Hooks work as on any optimizer."""
+    import io
+
+    m = _model()
+    opt = OffloadOptimizer(m.parameters(), lr=1e-2)
+    _step(m, opt, 0)
+    twin = copy.deepcopy(opt)
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(twin, OffloadOptimizer) and isinstance(loaded, OffloadOptimizer)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    _step(m, opt, 1)
+    assert calls == ["pre", "post"]
+    fresh = _model()
+    other = OffloadOptimizer(fresh.parameters(), lr=1e-2)
+    _step(fresh, other, 0)  # another instance still steps
+
+
 def test_errors_name_what_was_found() -> None:
     with pytest.raises(AutospError, match=r"\[autosp:OffloadOptimizer\] found an empty"):
         OffloadOptimizer([], lr=1.0)
@@ -143,6 +213,22 @@ def test_errors_name_what_was_found() -> None:
     bad = OffloadOptimizer(_model().parameters(), lr=1.0)
     with pytest.raises(AutospError, match="found a state dict with no master weights"):
         bad.load_state_dict(torch.optim.AdamW(_model().parameters()).state_dict())
+    small = OffloadOptimizer([torch.nn.Parameter(torch.ones(1, 4))], torch.optim.SGD, lr=0.1)
+    big = OffloadOptimizer([torch.nn.Parameter(torch.ones(3, 4))], torch.optim.SGD, lr=0.1)
+    with pytest.raises(AutospError, match=r"found master weight 0 of shape \(1, 4\) in the state "
+                                          r"dict; expected \(3, 4\)"):
+        big.load_state_dict(small.state_dict())  # it broadcast silently before
+    with pytest.raises(AutospError, match="found optimizer_class=LBFGS"):
+        OffloadOptimizer(_model().parameters(), torch.optim.LBFGS)
+    base = torch.nn.Parameter(torch.zeros(2, 2))
+    row = base.detach()[1].requires_grad_()
+    with pytest.raises(AutospError, match="found two parameters sharing memory"):
+        OffloadOptimizer([base, row], torch.optim.SGD, lr=1.0)
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    opt = OffloadOptimizer(emb.parameters(), torch.optim.SGD, lr=1.0)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(AutospError, match="found a sparse gradient"):
+        opt.step()
 
 
 def test_is_exported_and_typed() -> None:
@@ -154,7 +240,10 @@ def test_train_with_the_optimizer_offloaded_matches_and_resumes(tmp_path) -> Non
     """``autosp train --offload-optimizer`` at sp 2 (fp32, CPU): every step's loss and gradient
     norm equal those of the run with a plain AdamW (to 1e-6 relative; the host masters are the
     same fp32 numbers), and a run resumed from its step-2 checkpoint continues it exactly."""
-    from test_train_faults import _records, _train
+    import subprocess
+
+    from test_cli import _autosp_command
+    from test_train_faults import ENV, TINY, _records, _train
 
     _train(tmp_path / "plain", "--steps", "4", "--lr", "0.05")
     proc = _train(tmp_path / "off", "--steps", "4", "--lr", "0.05", "--offload-optimizer", "true",
@@ -170,6 +259,14 @@ def test_train_with_the_optimizer_offloaded_matches_and_resumes(tmp_path) -> Non
                   "true", "--resume", str(tmp_path / "off" / "checkpoints" / "step-2"))
     assert "2 steps done" in proc.stdout, proc.stdout
     resumed = _records(tmp_path / "resumed")
+    # Resuming it without the flag says which setting wrote it (DCP's missing keys before).
+    proc = subprocess.run([*_autosp_command(), "train", *TINY, "--steps", "4", "--out-dir",
+                           str(tmp_path / "plain2"), "--resume",
+                           str(tmp_path / "off" / "checkpoints" / "step-2")],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode != 0
+    assert "found a checkpoint written with training.offload_optimizer = true" in proc.stderr, \
+        proc.stderr[-2000:]
     assert [r["step"] for r in resumed] == [2, 3]
     for a, b in zip(off[2:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)

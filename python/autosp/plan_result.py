@@ -150,7 +150,7 @@ class PlanResult:
                 f"optimizer state in host memory ({self.host_optimizer_bytes / gib:.1f} GiB per "
                 "rank, autosp.OffloadOptimizer)" if self.host_optimizer_bytes else
                 f"optimizer state sharded over {self.optimizer_sharding}")
-            + (f", host memory {self.host_memory / gib:.0f} GiB per rank" if self.host_memory
+            + (f", host memory {self.host_memory / gib:.1f} GiB per rank" if self.host_memory
                else ""),
             f"peak and breakdown at S = {self.seq_len} (GiB per rank): params, grads, optimizer "
             "state, saved activations, transient, communication; recomp: FLOPs computed again "

@@ -84,12 +84,30 @@ def resolve(resume: str, folder: str) -> str | None:
     return resume
 
 
+def _check_optimizer_kind(path: str, optimizer: torch.optim.Optimizer) -> None:
+    """An OffloadOptimizer's state (with its master weights) and AdamW's are stored differently:
+    say which setting wrote the checkpoint rather than DCP's missing keys."""
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: DCP's own load reports it
+        return
+    saved = any(k.startswith("optim.master_weights") for k in keys)
+    now = isinstance(optimizer, OffloadOptimizer)
+    if saved != now:
+        raise AutospError(f"[autosp:train] checkpoint.resume = {path!r}: found a checkpoint "
+                          f"written with training.offload_optimizer = {str(saved).lower()}; "
+                          f"expected this run's setting ({str(now).lower()}), since the "
+                          "optimizer's state is stored differently. Resume with "
+                          f"--offload-optimizer {str(saved).lower()}.")
+
+
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
          layout: dict[str, Any]) -> int:
     """Loads ``path`` into the model, optimizer and schedule; returns the steps it had done.
     Raises AutospError when the checkpoint is another model's, or was written with another
     data layout (a resumed run draws its batches by step: another layout would train on other
     data than the uninterrupted run)."""
+    _check_optimizer_kind(path, optimizer)
     state = _state(model, optimizer, scheduler, 0, layout)
     try:
         dcp.load(state, checkpoint_id=path)
