@@ -3,7 +3,8 @@ model, per strategy, with MFU and the planner's prediction beside each measureme
 
     python bench/gpu_longest_seq.py --nproc 8            # one node of 8 GPUs
     python bench/gpu_longest_seq.py --nproc 1            # one GPU (Ulysses is then P = 1)
-    python bench/gpu_longest_seq.py --nproc 1 --model llama-3.1-8b   # ALST: 500K on one H100
+    python bench/gpu_longest_seq.py --nproc 1 --model llama-3.1-8b --offload-optimizer
+                                                         # ALST: 500K on one H100
     python bench/gpu_longest_seq.py --dry-run            # print the runs, start none (no GPU)
 
 What it measures (printed as a table, nothing asserted), through ``autosp train`` exactly as a
@@ -19,7 +20,10 @@ batch 1 per SP group, Inductor, ``--device cuda``), each run a fresh process gro
   default) and ``default`` / ``sequence-aware`` without it, and ``sequence-aware`` with the
   tiled MLP (``--tile-mlp true``), activation offload (``--offload true``: the layers' hidden
   states in host memory between forward and backward), and both; and the tiled MLP with
-  everything the layers save offloaded (``--offload-all true``);
+  everything the layers save offloaded (``--offload-all true``), with ``sequence-aware`` and
+  with ``default`` remat (``autosp plan`` predicts default + offload all the longest when the
+  host has room); with ``--offload-optimizer``, every run keeps AdamW in host memory
+  (``autosp.OffloadOptimizer``: the only way Llama-3.1-8B fits one 80 GB GPU);
 - for every run that trains: the measured peak allocated memory per rank (the largest rank,
   ``torch.cuda.max_memory_allocated``) beside ``autosp plan``'s prediction for that run
   (printed by ``autosp train`` at start), and its ratio;
@@ -55,7 +59,8 @@ STRATEGIES = [("no-sp", 1, "default", ()), ("ulysses", 0, "none", ()),
               ("ulysses", 0, "sequence-aware", ("tiled-mlp",)),
               ("ulysses", 0, "sequence-aware", ("offload",)),
               ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload")),
-              ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload-all"))]
+              ("ulysses", 0, "sequence-aware", ("tiled-mlp", "offload-all")),
+              ("ulysses", 0, "default", ("tiled-mlp", "offload-all"))]
 MFU_AT = (32768, 131072)
 
 
@@ -75,6 +80,8 @@ def run(args: argparse.Namespace, sp: int, remat: str, seq: int, out: Path) -> d
         cmd += ["--tile-mlp", "true"]
     if "untiled" in extras:
         cmd += ["--tile-loss", "false"]
+    if args.offload_optimizer:
+        cmd += ["--offload-optimizer", "true"]
     if args.dry_run:
         print(" ".join(cmd))
         return None
@@ -125,6 +132,8 @@ def main() -> None:
     p.add_argument("--granularity", type=int, default=4096)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--dry-run", action="store_true", help="print the first run of each strategy")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="AdamW's state in host memory in every run (autosp.OffloadOptimizer)")
     args = p.parse_args()
     gib = float(1 << 30)
     rows = []
