@@ -216,10 +216,18 @@ def test_remat_auto_picks_the_cheapest_combination_that_fits() -> None:
                                                   roomy.training.offload), line
     assert peak(line) <= 0.6 * roomy_peak + 0.001, line
     with pytest.raises(AutospError, match=r"remat = 'auto': found no combination .* predicted to "
-                                          r"fit 0.00 GiB per rank at S = 65536 \(the lowest: "):
+                                          r"fit 0.00 GiB per rank at S = 65536 with [\d.]+ GiB of host memory "
+                                          r"per rank \(the lowest: "):
         choose_strategy(cfg_with(0.001), 2, 2, 256, cpu)
     with pytest.raises(AutospError, match=r"training.memory_gib = 0 on a CPU; expected the memory"):
         choose_strategy(cfg_with(0.0), 2, 2, 256, cpu)
+    # The host bounds offload: with (almost) none, auto picks among strategies that offload
+    # nothing, under the same device budget.
+    offload_free = cfg_with(0.6 * roomy_peak)
+    offload_free.training.host_memory_gib = 1e-6
+    line = choose_strategy(offload_free, 2, 2, 256, cpu)
+    assert not (offload_free.training.offload or offload_free.training.offload_all), line
+    assert "0.00 GiB on the host of 0.0" in line, line
 
 
 def test_remat_auto_gives_the_tiled_loss_the_fewest_chunks_that_fit() -> None:

@@ -78,6 +78,9 @@ class TrainingConfig:
                     ("sequence-aware", "default", "none", "auto"))
     memory_gib: float = _f(0.0, "with remat auto: the memory per rank to fit (0: the GPU's "
                                 "total memory; needed on CPU)")
+    host_memory_gib: float = _f(0.0, "with remat auto: the host memory per rank that offloaded "
+                                     "activations and an offloaded optimizer may take (0: 80% "
+                                     "of this machine's memory over its ranks)")
     remat_budget_gib: float = _f(0.0, "cap the activations saved for backward at this many GiB "
                                       "per rank (autosp.remat.MemoryBudget; 0: the remat policy "
                                       "decides)")
@@ -166,6 +169,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "training.max_grad_norm": (0, None), "training.remat_budget_gib": (0, None),
     "training.loss_chunks": (0, 2**31 - 1),  # autosp.tiled_loss.MAX_CHUNKS
     "training.memory_gib": (0, None),
+    "training.host_memory_gib": (0, None),
     "training.check_atol": (0, None),
     "parallel.nproc": (1, None), "parallel.sp": (0, None), "parallel.timeout_s": (_POSITIVE, None),
     "metrics.log_every": (1, None), "metrics.peak_tflops": (0, None),

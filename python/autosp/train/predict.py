@@ -54,6 +54,20 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
                      f"{time.perf_counter() - start:.1f} s to plan)")
 
 
+def host_memory_per_rank(world: int) -> int:
+    """80% of this machine's physical memory over the ranks it runs (torchrun's
+    LOCAL_WORLD_SIZE, else ``world``): what ``remat auto`` lets offload take by default. 0
+    where the OS does not say."""
+    import os
+
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    return int(0.8 * total / max(local, 1))
+
+
 def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
                     device: torch.device) -> str:
     """With ``training.remat = "auto"``: sets remat, tile_loss, tile_mlp and offload of
@@ -77,13 +91,14 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
         raise AutospError("[autosp:train] found training.remat = 'auto' with "
                           "training.remat_budget_gib; expected one of them (auto picks the remat "
                           "policy itself)")
+    host = int(t.host_memory_gib * gib) or host_memory_per_rank(world)
     start = time.perf_counter()
     try:
         result = autosp.plan(planner_model(cfg, vocab_size), gpus=world, sp=sp,
                              dtype="bf16" if cfg.model.dtype == "bfloat16" else "fp32",
                              batch_size=t.batch_size, optimizer_sharding="none",
                              fsdp=cfg.parallel.fsdp, offload_optimizer=t.offload_optimizer,
-                             seq_len=t.seq_len, gpu_memory=budget,
+                             seq_len=t.seq_len, gpu_memory=budget, host_memory=host or None,
                              strategies=combinations("ulysses"), seq_multiple=t.seq_len,
                              max_seq=t.seq_len, curve_points=2,
                              loss_chunks=t.loss_chunks)  # auto may turn the tiled loss on
@@ -97,8 +112,10 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
         raise AutospError(
             f"[autosp:train] training.remat = 'auto': found no combination of remat, tiled "
             f"loss, tiled MLP and offload predicted to fit {budget / gib:.2f} GiB per rank at "
-            f"S = {t.seq_len} (the lowest: {low.name}, {low.at_seq.peak / gib:.2f} GiB); "
-            "expected a shorter seq_len, more ranks in the SP group, or more memory")
+            f"S = {t.seq_len} with {host / gib:.1f} GiB of host memory per rank (the lowest: "
+            f"{low.name}, {low.at_seq.peak / gib:.2f} GiB, {low.at_seq.host_bytes / gib:.1f} "
+            "GiB on the host); expected a shorter seq_len, more ranks in the SP group, or more "
+            "memory (training.memory_gib, training.host_memory_gib)")
     t.remat, t.tile_loss, t.tile_mlp = best.remat, best.tile_loss, best.tile_mlp
     t.offload, t.offload_all = best.offload, best.offload_all
     chunks = ""
@@ -108,5 +125,6 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
                   f"rule's {best.loss_chunks} chunks, the least memory)")
     return (f"autosp plan: remat auto chose {best.name}{chunks}: predicted peak "
             f"{best.at_seq.peak / gib:.3f} GiB of {budget / gib:.2f}, "
+            f"{best.at_seq.host_bytes / gib:.2f} GiB on the host of {host / gib:.1f}, "
             f"+{100 * best.at_seq.overhead:.0f}% predicted step time "
             f"({time.perf_counter() - start:.1f} s to plan {len(result.strategies)} combinations)")
