@@ -233,6 +233,26 @@ def is_parameter_collective(node: fx.Node) -> bool:
     return isinstance(src, fx.Node) and src.op == "placeholder"
 
 
+def _aliased_positions(target: Any) -> tuple[tuple[int, str], ...]:
+    """(index, name) of the arguments whose storage ``target``'s outputs share, from its
+    schema's alias annotations; worked out once per op overload."""
+    found = _ALIASED_POSITIONS.get(target)
+    if found is None:
+        schema = target._schema
+        sets: set = set()
+        for ret in schema.returns:
+            if ret.alias_info is not None:
+                sets |= set(ret.alias_info.before_set)
+        found = tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                      if sets and arg.alias_info is not None
+                      and set(arg.alias_info.before_set) & sets)
+        _ALIASED_POSITIONS[target] = found
+    return found
+
+
+_ALIASED_POSITIONS: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
 def aliased_arg(node: Any) -> Any:
     """The input node whose storage `node`'s output shares, or None."""
     target = node.target
@@ -242,17 +262,8 @@ def aliased_arg(node: Any) -> Any:
         return node.args[0]
     if target is torch.ops.aten._unsafe_view.default:  # a view of a fresh clone
         return node.args[0]
-    schema = target._schema
-    sets = set()
-    for ret in schema.returns:
-        if ret.alias_info is not None:
-            sets |= set(ret.alias_info.before_set)
-    if not sets:
-        return None
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+    for i, name in _aliased_positions(target):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(value, fx.Node):
             return value
     return None
