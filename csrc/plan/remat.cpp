@@ -290,9 +290,10 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
       const RematNode& node = graph.nodes[i];
       const bool chosen = options.offload_layer_saved ? is_numbered_layer(node.layer)
                                                       : remat_detail::leaves_layer(graph, i);
-      // PyTorch's offloading pass copies contiguous tensors only, and neither views nor
-      // getitems: the partitioner hands it a contiguous alias (a view, a detach) or getitem
-      // as a copy of its own (python/autosp/remat_partition.py). A storage saved through two
+      // PyTorch's offloading pass copies contiguous tensors only, and neither the ops it
+      // lists as views (view, t, alias) nor getitems: the partitioner hands it a copy of those
+      // (python/autosp/remat_partition.py); other aliases (a detach, an _unsafe_view) it
+      // copies to the host itself. Either way the storage is freed. A storage saved through two
       // nodes stays on the device (a copy would add host traffic and free nothing), and so
       // does an alias of a parameter or an input (they stay there anyway) or of a larger
       // storage.

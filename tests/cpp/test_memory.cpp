@@ -508,21 +508,18 @@ TEST(MemoryOffload, ASavedViewLeavesTheDeviceThroughACopy) {
                             .bytes = SeqBytes::term(8, 1),
                             .inputs = {prev},
                             .layer = layer});
-      v.push_back(g.add(S{.name = "v" + std::to_string(k),
-                          .kind = RematOpKind::kView,
-                          .bytes = SeqBytes::term(8, 1),
-                          .inputs = {a},
-                          .layer = layer,
-                          .alias_of = a,
-                          .non_contiguous = strided_view}));
-      if (second_alias)  // a transposed view of the same storage, also read by the backward
-        w.push_back(g.add(S{.name = "w" + std::to_string(k),
-                            .kind = RematOpKind::kView,
-                            .bytes = SeqBytes::term(8, 1),
-                            .inputs = {a},
-                            .layer = layer,
-                            .alias_of = a,
-                            .non_contiguous = true}));
+      auto view_of_a = [&](const std::string& name, bool strided) {
+        return g.add(S{.name = name + std::to_string(k),
+                       .kind = RematOpKind::kView,
+                       .bytes = SeqBytes::term(8, 1),
+                       .inputs = {a},
+                       .layer = layer,
+                       .alias_of = a,
+                       .non_contiguous = strided});
+      };
+      v.push_back(view_of_a("v", strided_view));
+      // A transposed view of the same storage, also read by the backward.
+      if (second_alias) w.push_back(view_of_a("w", true));
       prev = g.add(S{.name = "h" + std::to_string(k),
                      .bytes = SeqBytes::term(8, 1),
                      .inputs = {v.back()},
