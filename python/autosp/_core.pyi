@@ -930,59 +930,115 @@ class MemoryOptions:
     def training(self, arg: TrainingConfig, /) -> None: ...
 
 class MemoryBreakdown:
+    def __init__(self) -> None: ...
+
     @property
     def seq_len(self) -> int: ...
+
+    @seq_len.setter
+    def seq_len(self, arg: int, /) -> None: ...
 
     @property
     def parameters(self) -> int: ...
 
+    @parameters.setter
+    def parameters(self, arg: int, /) -> None: ...
+
     @property
     def gradients(self) -> int: ...
+
+    @gradients.setter
+    def gradients(self, arg: int, /) -> None: ...
 
     @property
     def optimizer_state(self) -> int: ...
 
+    @optimizer_state.setter
+    def optimizer_state(self, arg: int, /) -> None: ...
+
     @property
     def saved_activations(self) -> int: ...
+
+    @saved_activations.setter
+    def saved_activations(self, arg: int, /) -> None: ...
 
     @property
     def transient(self) -> int: ...
 
+    @transient.setter
+    def transient(self, arg: int, /) -> None: ...
+
     @property
     def communication(self) -> int: ...
+
+    @communication.setter
+    def communication(self, arg: int, /) -> None: ...
 
     @property
     def inputs(self) -> int: ...
 
+    @inputs.setter
+    def inputs(self, arg: int, /) -> None: ...
+
     @property
     def peak(self) -> int: ...
+
+    @peak.setter
+    def peak(self, arg: int, /) -> None: ...
 
     @property
     def phase(self) -> str: ...
 
+    @phase.setter
+    def phase(self, arg: str, /) -> None: ...
+
     @property
     def peak_node(self) -> str: ...
+
+    @peak_node.setter
+    def peak_node(self, arg: str, /) -> None: ...
 
     @property
     def saved_bytes(self) -> int: ...
 
+    @saved_bytes.setter
+    def saved_bytes(self, arg: int, /) -> None: ...
+
     @property
     def saved_count(self) -> int: ...
+
+    @saved_count.setter
+    def saved_count(self, arg: int, /) -> None: ...
 
     @property
     def recomputed_count(self) -> int: ...
 
+    @recomputed_count.setter
+    def recomputed_count(self, arg: int, /) -> None: ...
+
     @property
     def step_flops(self) -> float: ...
+
+    @step_flops.setter
+    def step_flops(self, arg: float, /) -> None: ...
 
     @property
     def recompute_flops(self) -> float: ...
 
+    @recompute_flops.setter
+    def recompute_flops(self, arg: float, /) -> None: ...
+
     @property
     def offloaded_bytes(self) -> int: ...
 
+    @offloaded_bytes.setter
+    def offloaded_bytes(self, arg: int, /) -> None: ...
+
     @property
     def host_bytes(self) -> int: ...
+
+    @host_bytes.setter
+    def host_bytes(self, arg: int, /) -> None: ...
 
 class TrainabilityQuery:
     def __init__(self) -> None: ...
@@ -1040,6 +1096,38 @@ def replicate_layers(graph: MemoryGraph, num_layers: int) -> MemoryGraph:
     """
     The memory graph of `num_layers` decoder layers from the trace of 3 or more (copies of layer 1 inserted after it). Raises ValueError when the trace does not have that structure.
     """
+
+class CostModel:
+    def __init__(self) -> None: ...
+
+    @property
+    def host_bandwidth(self) -> float: ...
+
+    @host_bandwidth.setter
+    def host_bandwidth(self, arg: float, /) -> None: ...
+
+    @property
+    def device_flops(self) -> float: ...
+
+    @device_flops.setter
+    def device_flops(self, arg: float, /) -> None: ...
+
+def offload_seconds(breakdown: MemoryBreakdown, cost: CostModel = ...) -> float:
+    """
+    Seconds per step the offloaded bytes spend on the host link, there and back.
+    """
+
+def step_overhead(breakdown: MemoryBreakdown, cost: CostModel = ...) -> float:
+    """
+    Predicted step-time overhead: recomputed FLOPs over the step's, plus the offload's link seconds over the step's compute seconds.
+    """
+
+def cheapest_fit(candidates: Sequence[MemoryBreakdown], budget_bytes: int, host_budget_bytes: int, cost: CostModel = ...) -> int:
+    """
+    The index of the candidate with the least step_overhead (then the lowest peak) whose peak fits budget_bytes and host_bytes fits host_budget_bytes (0: any); -1 if none.
+    """
+
+LOSS_CHUNKS_HEADROOM: float = 0.9
 
 def optimizer_state_bytes(config: TrainingConfig) -> int: ...
 

@@ -8,18 +8,16 @@ from typing import Any
 
 from autosp.models.llama import LlamaConfig
 
+from autosp import _core
+
 #: Host <-> device bandwidth ``autosp plan`` states offload's transfer time at (bytes per
-#: second): PCIe 4.0 x16, about 25 GB/s each way in practice.
-HOST_BANDWIDTH = 25e9
-#: Effective device throughput (FLOPs per second) at which ``autosp plan`` weighs offload's
-#: copies against recomputation when it picks the cheapest strategy: an H100's bf16 at about
-#: 40% MFU.
-DEVICE_FLOPS = 400e12
-#: The share of the budget the fewest loss chunks must fit (StrategyPlan.fit_loss_chunks): the
-#: predicted peaks are within 10% of measured ones (tests/test_tiled_loss.py), and the fewest
-#: chunks fill the budget to its edge, so their prediction keeps that much headroom (measured
-#: on CPU: 6 chunks predicted 1.91 GiB, measured 2.04, for a 2 GiB budget without it).
-LOSS_CHUNKS_HEADROOM = 0.9
+#: second each way) and the device throughput (FLOPs per second) it weighs those seconds
+#: against: the core's cost model (csrc/plan/choose.h).
+HOST_BANDWIDTH = _core.CostModel().host_bandwidth
+DEVICE_FLOPS = _core.CostModel().device_flops
+#: The share of the budget the fewest loss chunks must fit (StrategyPlan.fit_loss_chunks),
+#: defined by the core (csrc/plan/choose.h).
+LOSS_CHUNKS_HEADROOM = _core.LOSS_CHUNKS_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -64,19 +62,27 @@ class MemoryPrediction:
             offloaded_bytes=b.offloaded_bytes, host_bytes=b.host_bytes,
         )
 
+    def to_core(self) -> Any:
+        """This prediction as the core's MemoryBreakdown."""
+        b = _core.MemoryBreakdown()
+        for name, value in asdict(self).items():
+            setattr(b, name, value)
+        return b
+
     @property
     def overhead(self) -> float:
-        """Predicted step-time overhead: the recomputed FLOPs over the step's, plus the
-        offloaded bytes' time on the host link (HOST_BANDWIDTH) over the step's compute time
-        (its FLOPs at DEVICE_FLOPS), counted as if the copies did not overlap compute."""
-        compute = self.step_flops / DEVICE_FLOPS
-        link = self.offload_seconds(HOST_BANDWIDTH) / compute if compute else 0.0
-        return self.recompute_overhead + link
+        """Predicted step-time overhead (the core's step_overhead): the recomputed FLOPs over
+        the step's, plus the offloaded bytes' time on the host link (HOST_BANDWIDTH) over the
+        step's compute time (its FLOPs at DEVICE_FLOPS), counted as if the copies did not
+        overlap compute."""
+        return _core.step_overhead(self.to_core())
 
-    def offload_seconds(self, bandwidth: float) -> float:
+    def offload_seconds(self, bandwidth: float = HOST_BANDWIDTH) -> float:
         """Seconds per step the offloaded bytes spend on the host link at ``bandwidth`` bytes
         per second (to the host and back; on CUDA the copies overlap compute)."""
-        return 2 * self.offloaded_bytes / bandwidth
+        cost = _core.CostModel()
+        cost.host_bandwidth = bandwidth
+        return _core.offload_seconds(self.to_core(), cost)
 
 
 @dataclass(frozen=True)
@@ -133,10 +139,10 @@ class PlanResult:
         """The strategy with the least predicted step-time overhead (MemoryPrediction.overhead)
         whose predicted peak at ``seq_len`` fits ``gpu_memory`` (and its host memory
         ``host_memory``, when set); None when none fits."""
-        fit = [s for s in self.strategies if s.at_seq is not None
-               and s.at_seq.peak <= self.gpu_memory
-               and (not self.host_memory or s.at_seq.host_bytes <= self.host_memory)]
-        return min(fit, key=lambda s: (s.at_seq.overhead, s.at_seq.peak), default=None)
+        known = [s for s in self.strategies if s.at_seq is not None]
+        i = _core.cheapest_fit([s.at_seq.to_core() for s in known], self.gpu_memory,
+                               self.host_memory)
+        return known[i] if i >= 0 else None
 
     def table(self) -> str:
         gib = float(1 << 30)

@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "plan/choose.h"
 #include "plan/layers.h"
 
 namespace nb = nanobind;
@@ -115,24 +116,25 @@ void init_memory(nb::module_& m) {
       .def_rw("training", &MemoryOptions::training);
 
   nb::class_<MemoryBreakdown>(m, "MemoryBreakdown")
-      .def_ro("seq_len", &MemoryBreakdown::seq_len)
-      .def_ro("parameters", &MemoryBreakdown::parameters)
-      .def_ro("gradients", &MemoryBreakdown::gradients)
-      .def_ro("optimizer_state", &MemoryBreakdown::optimizer_state)
-      .def_ro("saved_activations", &MemoryBreakdown::saved_activations)
-      .def_ro("transient", &MemoryBreakdown::transient)
-      .def_ro("communication", &MemoryBreakdown::communication)
-      .def_ro("inputs", &MemoryBreakdown::inputs)
-      .def_ro("peak", &MemoryBreakdown::peak)
-      .def_ro("phase", &MemoryBreakdown::phase)
-      .def_ro("peak_node", &MemoryBreakdown::peak_node)
-      .def_ro("saved_bytes", &MemoryBreakdown::saved_bytes)
-      .def_ro("saved_count", &MemoryBreakdown::saved_count)
-      .def_ro("recomputed_count", &MemoryBreakdown::recomputed_count)
-      .def_ro("step_flops", &MemoryBreakdown::step_flops)
-      .def_ro("recompute_flops", &MemoryBreakdown::recompute_flops)
-      .def_ro("offloaded_bytes", &MemoryBreakdown::offloaded_bytes)
-      .def_ro("host_bytes", &MemoryBreakdown::host_bytes);
+      .def(nb::init<>())
+      .def_rw("seq_len", &MemoryBreakdown::seq_len)
+      .def_rw("parameters", &MemoryBreakdown::parameters)
+      .def_rw("gradients", &MemoryBreakdown::gradients)
+      .def_rw("optimizer_state", &MemoryBreakdown::optimizer_state)
+      .def_rw("saved_activations", &MemoryBreakdown::saved_activations)
+      .def_rw("transient", &MemoryBreakdown::transient)
+      .def_rw("communication", &MemoryBreakdown::communication)
+      .def_rw("inputs", &MemoryBreakdown::inputs)
+      .def_rw("peak", &MemoryBreakdown::peak)
+      .def_rw("phase", &MemoryBreakdown::phase)
+      .def_rw("peak_node", &MemoryBreakdown::peak_node)
+      .def_rw("saved_bytes", &MemoryBreakdown::saved_bytes)
+      .def_rw("saved_count", &MemoryBreakdown::saved_count)
+      .def_rw("recomputed_count", &MemoryBreakdown::recomputed_count)
+      .def_rw("step_flops", &MemoryBreakdown::step_flops)
+      .def_rw("recompute_flops", &MemoryBreakdown::recompute_flops)
+      .def_rw("offloaded_bytes", &MemoryBreakdown::offloaded_bytes)
+      .def_rw("host_bytes", &MemoryBreakdown::host_bytes);
 
   nb::class_<TrainabilityQuery>(m, "TrainabilityQuery")
       .def(nb::init<>())
@@ -163,6 +165,20 @@ void init_memory(nb::module_& m) {
       "The memory graph of `num_layers` decoder layers from the trace of 3 or more (copies of "
       "layer 1 inserted after it). Raises ValueError when the trace does not have that "
       "structure.");
+  nb::class_<CostModel>(m, "CostModel")
+      .def(nb::init<>())
+      .def_rw("host_bandwidth", &CostModel::host_bandwidth)
+      .def_rw("device_flops", &CostModel::device_flops);
+  m.def("offload_seconds", &offload_seconds, "breakdown"_a, "cost"_a = CostModel{},
+        "Seconds per step the offloaded bytes spend on the host link, there and back.");
+  m.def("step_overhead", &step_overhead, "breakdown"_a, "cost"_a = CostModel{},
+        "Predicted step-time overhead: recomputed FLOPs over the step's, plus the offload's "
+        "link seconds over the step's compute seconds.");
+  m.def("cheapest_fit", &cheapest_fit, "candidates"_a, "budget_bytes"_a, "host_budget_bytes"_a,
+        "cost"_a = CostModel{},
+        "The index of the candidate with the least step_overhead (then the lowest peak) whose "
+        "peak fits budget_bytes and host_bytes fits host_budget_bytes (0: any); -1 if none.");
+  m.attr("LOSS_CHUNKS_HEADROOM") = kLossChunksHeadroom;
   m.def("optimizer_state_bytes", &optimizer_state_bytes, "config"_a);
   m.def("host_optimizer_bytes", &host_optimizer_bytes, "config"_a);
   m.def("optimizer_workspace_bytes", &optimizer_workspace_bytes, "config"_a);
