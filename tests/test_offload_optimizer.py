@@ -210,9 +210,24 @@ def test_errors_name_what_was_found() -> None:
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(AutospError, match="a parameter given twice"):
         OffloadOptimizer([{"params": [p]}, {"params": [p]}], lr=1.0)
-    bad = OffloadOptimizer(_model().parameters(), lr=1.0)
-    with pytest.raises(AutospError, match="found a state dict with no master weights"):
-        bad.load_state_dict(torch.optim.AdamW(_model().parameters()).state_dict())
+    # A plain AdamW's state of bf16 parameters has no fp32 masters: refused, not read from the
+    # bf16 parameters (which would lose the masters' low bits).
+    bf16 = _model(torch.bfloat16)
+    plain = torch.optim.AdamW(bf16.parameters())
+    _step(bf16, plain, 0)
+    bad = OffloadOptimizer(_model(torch.bfloat16).parameters(), lr=1.0)
+    with pytest.raises(AutospError, match=r"found the state of parameter 0 \(torch.bfloat16, "
+                                          r"shape \(16, 8\)\) without its torch.float32 master"):
+        bad.load_state_dict(plain.state_dict())
+    with pytest.raises(AutospError, match="found a state dict with 3 master weights; expected 4"):
+        bad.load_state_dict({**bad.state_dict(), "master_weights": {"0": 0, "1": 1, "2": 2}})
+    with pytest.raises(AutospError, match=r"found a state dict with keys \['master_weights', "
+                                          r"'param_groups'\]; expected a dict with 'state'"):
+        bad.load_state_dict({k: v for k, v in bad.state_dict().items() if k != "state"})
+    with pytest.raises(TypeError, match="found a single tensor of shape \\(3, 2\\) as params; "
+                                        "params argument given to the optimizer should be an "
+                                        "iterable of Tensors or dicts"):
+        OffloadOptimizer(torch.nn.Parameter(torch.ones(3, 2)), torch.optim.SGD, lr=0.1)
     small = OffloadOptimizer([torch.nn.Parameter(torch.ones(1, 4))], torch.optim.SGD, lr=0.1)
     big = OffloadOptimizer([torch.nn.Parameter(torch.ones(3, 4))], torch.optim.SGD, lr=0.1)
     with pytest.raises(AutospError, match=r"found master weight 0 of shape \(1, 4\) in the state "
@@ -271,3 +286,137 @@ def test_train_with_the_optimizer_offloaded_matches_and_resumes(tmp_path) -> Non
     for a, b in zip(off[2:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (a, b)
+
+
+def test_writes_after_building_reach_the_master_and_keep_its_low_bits() -> None:
+    """Found by a breaker, silently wrong before: a new tensor put in a parameter
+    (``p.data = t``, which moves no version counter) was overwritten by the stale master at the
+    next step; and any tracked write to a bf16 parameter, even of its own values
+    (``model.load_state_dict(model.state_dict())``), reset the fp32 master to the bf16 value."""
+    lin = torch.nn.Linear(3, 2)
+    opt = OffloadOptimizer(lin.parameters(), torch.optim.SGD, lr=0.1)
+    lin.weight.data = torch.full((2, 3), 5.0)  # a new storage, the same version
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert torch.equal(lin.weight, torch.full((2, 3), 4.9))  # as torch.optim.SGD steps it
+    # An in-place write through .data moves nothing PyTorch tracks: lost, as documented.
+    lin.weight.data.fill_(7.0)
+    opt.step()
+    assert torch.equal(lin.weight, torch.full((2, 3), 4.8))
+    # bf16: the masters stay AdamW's fp32 numbers through writes of the parameters' own values,
+    # and take the elements a write changed.
+    model = _model(torch.bfloat16)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-2)
+    ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    masters = [m for g in opt.optimizer.param_groups for m in g["params"]]
+    for step in range(4):
+        _step(model, opt, step)
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.float()
+        ref_opt.step()
+        if step == 1:
+            model.load_state_dict(copy.deepcopy(model.state_dict()))
+            with torch.no_grad():
+                model[0].weight.copy_(model[0].weight.clone())
+                model[0].bias.data = model[0].bias.data.clone()
+        assert all(torch.equal(m, r.detach()) for m, r in zip(masters, ref)), step
+        assert not all(torch.equal(m, m.bfloat16().float()) for m in masters)  # low bits used
+    with torch.no_grad():
+        model[2].bias[0] = 3.0
+    opt.zero_grad()
+    opt.step()  # no gradients: nothing steps, the write is read
+    assert masters[3][0] == 3.0 and torch.equal(masters[3][1:], ref[3].detach()[1:])
+
+
+def test_changed_groups_and_shapes_are_refused_before_anything_changes() -> None:
+    """Found by a breaker: a parameter appended to ``param_groups[i]["params"]`` was never
+    stepped (silently), and one replaced by a tensor of another shape raised torch's broadcast
+    error after stepping the host optimizer."""
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = OffloadOptimizer([a], torch.optim.SGD, lr=0.1)
+    opt.param_groups[0]["params"].append(b)
+    (a.sum() + b.sum()).backward()
+    with pytest.raises(AutospError, match=r"found parameter group 0 with 2 parameters, not the 1 "
+                                          r"it was built with .*add_param_group"):
+        opt.step()
+    opt.param_groups[0]["params"].pop()
+    opt.add_param_group({"params": [b]})  # the way to add one
+    opt.step()
+    assert torch.equal(b, torch.full((2,), -0.1)) and torch.equal(a, b)
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    opt = OffloadOptimizer([p], torch.optim.AdamW, lr=0.1)
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    before = copy.deepcopy(opt.optimizer.state_dict())
+    p.data = torch.ones(1, 4)
+    p.grad = torch.ones(1, 4)
+    with pytest.raises(AutospError, match=r"found parameter 0 \(in param_groups' order\) of shape "
+                                          r"\(1, 4\), built with shape \(3, 4\).*build a new "
+                                          "OffloadOptimizer"):
+        opt.step()
+    after = opt.optimizer.state_dict()
+    assert after["state"][0]["step"] == before["state"][0]["step"] == 1
+    assert torch.equal(after["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+
+
+def test_a_failed_add_param_group_changes_nothing() -> None:
+    """Found by a breaker: it left the new parameter's master behind, so that ``state_dict()``
+    carried one master more than the groups had parameters."""
+    lin = torch.nn.Linear(2, 2)
+    opt = OffloadOptimizer([lin.weight], torch.optim.SGD, lr=0.1)
+    with pytest.raises(AutospError, match="a parameter given twice"):
+        opt.add_param_group({"params": [lin.bias, lin.weight]})
+    with pytest.raises(AutospError, match=r"found a non-leaf tensor of shape \(2,\)"):
+        opt.add_param_group({"params": [lin.bias * 1]})
+    assert len(opt.optimizer.param_groups) == len(opt.param_groups) == 1
+    assert len(opt.state_dict()["master_weights"]) == 1
+    fresh = OffloadOptimizer([torch.nn.Parameter(torch.zeros(2, 2))], torch.optim.SGD, lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    opt.add_param_group({"params": [lin.bias], "lr": 0.5})
+    assert [g["lr"] for g in opt.optimizer.param_groups] == [0.1, 0.5]
+
+
+def test_dcp_state_dict_helpers_carry_the_master_weights() -> None:
+    """Found by a breaker: ``torch.distributed.checkpoint.state_dict.get_state_dict`` keeps only
+    ``state`` and ``param_groups``, and dropped the separate master weights (loading then
+    failed). A bf16 parameter's fp32 master is now in its state entry; the older format, every
+    master in ``master_weights``, still loads, and so does a dict without state for a
+    parameter (whose state is then empty, as ``opt.state`` shows)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = _model(dtype)
+        a = OffloadOptimizer(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            _step(ref, a, step)
+        msd, osd = copy.deepcopy(get_state_dict(ref, a))
+        assert set(osd) == {"state", "param_groups"}
+        res = _model(dtype)
+        torch.nn.init.zeros_(res[0].weight)
+        b = OffloadOptimizer(res.parameters(), lr=1e-2)
+        set_state_dict(res, b, model_state_dict=msd, optim_state_dict=osd)
+        for step in range(2, 4):
+            _step(ref, a, step)
+            _step(res, b, step)
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), res.parameters())), dtype
+        assert all(torch.equal(m, n) for m, n in zip(a._masters.values(), b._masters.values()))
+    # The older format: all masters in master_weights, none in the state entries.
+    sd = copy.deepcopy(a.state_dict())
+    assert sd["master_weights"]["0"] == "state"
+    sd["master_weights"] = {str(i): s.pop("master_weight") for i, s in sd["state"].items()}
+    res = _model(torch.bfloat16)
+    c = OffloadOptimizer(res.parameters(), lr=1e-2)
+    c.load_state_dict(sd)
+    assert all(torch.equal(m, n) for m, n in zip(a._masters.values(), c._masters.values()))
+    # A state dict without state for a parameter: its state here is empty, as in torch.
+    x, y = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = OffloadOptimizer([x, y], lr=0.1)
+    (x.sum() + y.sum()).backward()
+    opt.step()
+    other = OffloadOptimizer([torch.nn.Parameter(torch.ones(2)), w := torch.nn.Parameter(
+        torch.ones(2))], lr=0.1)
+    w.sum().backward()
+    other.step()
+    opt.load_state_dict(other.state_dict())
+    assert x not in opt.state and set(opt.state[y]) == {"step", "exp_avg", "exp_avg_sq"}

@@ -16,9 +16,7 @@ on CUDA, and ``step()`` runs the wrapped torch optimizer there:
 To the code around it, it is an ordinary optimizer: ``param_groups`` hold the model's
 parameters (so clipping through them, ``GradScaler.unscale_`` and LR schedulers act on the
 device gradients and hyperparameters, which ``step()`` hands to the wrapped optimizer), and
-``state[p]`` is ``p``'s state on the host. A parameter changed in place outside the optimizer
-(``load_state_dict``, ``nn.init``, after the optimizer was built) is read back into its master
-weight before the next step (its PyTorch version counter says so).
+``state[p]`` is ``p``'s state on the host.
 
 For Llama-3.1-8B in bf16 that moves 96 GB of master weights and AdamW state off each GPU
 (``autosp plan --offload-optimizer`` predicts what it buys), at the cost of two copies of the
@@ -27,9 +25,24 @@ and torchao's ``CPUOffloadOptimizer`` without their overlap of the copies with t
 AOTAutograd's compiled backward returns every gradient at its end, so there is nothing to
 overlap them with.
 
+A parameter changed outside the optimizer after it was built is read back into its master
+weight before the next step when PyTorch can tell: an in-place write on the parameter itself
+under ``torch.no_grad()`` (``model.load_state_dict``, ``nn.init``, ``p.copy_``: its version
+counter moves) or a new tensor of the same shape put in it (``p.data = t``, ``model.to``: its
+storage changes). Only the elements that differ from the master rounded to the parameter's
+dtype are read, so writing a bf16 parameter's own values back (``model.load_state_dict(
+model.state_dict())``) keeps the fp32 master's low bits. An in-place write through ``.data``
+(``p.data.fill_(7)``, ``p.data.normal_()``) moves no counter and is lost at the next step,
+which copies the master back: make such writes under ``torch.no_grad()`` on the parameter
+itself, or load them with ``load_state_dict``. A parameter replaced by one of another shape is
+refused at the next step (build a new optimizer), and so is a parameter added to
+``param_groups[i]["params"]`` directly (use ``add_param_group``, which gives it a master).
+
 Refused, with an error: parameters sharded with ``autosp.fully_shard`` (DTensors: their
-optimizer state is already 1/world per rank), parameters sharing memory, sparse gradients, and
-optimizers whose ``step`` needs a closure (LBFGS).
+optimizer state is already 1/world per rank), parameters sharing memory (even disjoint slices
+of one tensor are not supported), sparse gradients, and optimizers whose ``step`` needs a
+closure (LBFGS). Hooks registered with ``register_state_dict_pre_hook`` and the other
+state-dict hooks are not supported: ``state_dict`` and ``load_state_dict`` do not call them.
 """
 
 from __future__ import annotations
@@ -56,17 +69,28 @@ def _master_dtype(p: torch.Tensor, master_dtype: torch.dtype | None) -> torch.dt
 class OffloadOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer_class`` (default ``torch.optim.AdamW``, built with ``**defaults``) so
     that it steps fp32 master copies of ``params`` in host memory (see the module's text).
-    ``params``: tensors or parameter groups, as for any torch optimizer. ``master_dtype``:
-    the master weights' dtype (default: fp32 for parameters of fewer than 4 bytes, the
-    parameter's own otherwise).
+    ``params``: an iterable of tensors or parameter groups, as for any torch optimizer.
+    ``master_dtype``: the master weights' dtype (default: fp32 for parameters of fewer than 4
+    bytes, the parameter's own otherwise).
 
-    ``state_dict()`` holds the wrapped optimizer's state and the master weights;
-    ``load_state_dict`` restores both (checking their shapes) and copies the master weights
-    into the parameters."""
+    ``state_dict()`` holds the wrapped optimizer's state and the master weights: a master whose
+    dtype differs from its parameter's (the fp32 master of a bf16 parameter) is
+    ``state[i]["master_weight"]``, where ``torch.distributed.checkpoint.state_dict``'s
+    ``get_state_dict`` (which keeps only ``state`` and ``param_groups``) carries it, and
+    ``master_weights[str(i)]`` says ``"state"``; any other master (equal to its parameter) is
+    ``master_weights[str(i)]``. ``load_state_dict`` restores them (checking their shapes; also
+    from the older format, every master in ``master_weights``), reads a master the dict lacks
+    from its parameter if that parameter is not low precision or has no saved state, and copies
+    the master weights into the parameters."""
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer]
                  = torch.optim.AdamW, *, master_dtype: torch.dtype | None = None,
                  **defaults: Any) -> None:
+        if isinstance(params, torch.Tensor):
+            # torch's own check and text (iterating a tensor would optimize its rows).
+            raise TypeError(f"{_WHERE} found a single tensor of shape {tuple(params.shape)} as "
+                            "params; params argument given to the optimizer should be an "
+                            "iterable of Tensors or dicts, e.g. [tensor]")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise AutospError(f"{_WHERE} found optimizer_class={optimizer_class!r}; expected a "
@@ -84,7 +108,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         groups = [{**g, "params": self._group_params(g)} for g in groups]  # generators once
         self._master_dtype = master_dtype
         self._masters: dict[torch.Tensor, torch.Tensor] = {}  # device param -> host master
-        self._versions: dict[torch.Tensor, int] = {}  # the version the master was read at
+        # What each master was read at: the parameter's version counter and its storage
+        # (``p.data = t`` replaces the storage and leaves the counter as it was).
+        self._versions: dict[torch.Tensor, int] = {}
+        self._data_ptrs: dict[torch.Tensor, int] = {}
+        self._check_new_parameters([p for g in groups for p in g["params"]], differentiable=
+                                   bool(defaults.get("differentiable")))
         # The wrapped optimizer over the masters, one group per group (hyperparameters are
         # handed over at each step); then torch's own bookkeeping over the device parameters.
         host_groups = [self._host_group(g) for g in groups]
@@ -92,6 +121,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._building = True
         super().__init__(groups, self.optimizer.defaults)
         self._building = False
+        # The parameters of each group as built: one put into param_groups directly has no
+        # master, and would never be stepped.
+        self._built_groups = [list(g["params"]) for g in self.param_groups]
         self._share_state()
 
     # -- building --------------------------------------------------------------------------
@@ -101,27 +133,38 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ps = group["params"]
         return [ps] if isinstance(ps, torch.Tensor) else list(ps)
 
+    def _check_new_parameters(self, params: list[Any], differentiable: bool) -> None:
+        """Raises, changing nothing, if ``params`` cannot be added to this optimizer."""
+        seen: list[torch.Tensor] = list(self._masters)
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise AutospError(f"{_WHERE} found a parameter of type {type(p).__name__}; "
+                                  "expected tensors")
+            if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+                raise AutospError(
+                    f"{_WHERE} found a DTensor parameter (autosp.fully_shard); expected plain "
+                    "tensors: a sharded model's optimizer state is already split over the "
+                    "ranks, use a plain torch optimizer with it")
+            if not (differentiable or p.is_leaf or p.retains_grad):
+                raise AutospError(f"{_WHERE} found a non-leaf tensor of shape {tuple(p.shape)}; "
+                                  "expected leaf tensors (torch: can't optimize a non-leaf "
+                                  "Tensor)")
+            if any(q is p for q in seen):
+                raise AutospError(f"{_WHERE} found a parameter given twice; expected each "
+                                  "parameter in one group")
+            for q in seen:
+                if (q.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                        and p.numel()):
+                    raise AutospError(
+                        f"{_WHERE} found two parameters sharing memory (shapes "
+                        f"{tuple(q.shape)} and {tuple(p.shape)}); expected distinct parameters: "
+                        "each gets a master copy, and one's update would overwrite the other's")
+            seen.append(p)
+
     def _host_group(self, group: dict[str, Any]) -> dict[str, Any]:
         return {**group, "params": [self._master(p) for p in self._group_params(group)]}
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
-        if not isinstance(p, torch.Tensor):
-            raise AutospError(f"{_WHERE} found a parameter of type {type(p).__name__}; expected "
-                              "tensors")
-        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-            raise AutospError(
-                f"{_WHERE} found a DTensor parameter (autosp.fully_shard); expected plain "
-                "tensors: a sharded model's optimizer state is already split over the ranks, "
-                "use a plain torch optimizer with it")
-        if p in self._masters:
-            raise AutospError(f"{_WHERE} found a parameter given twice; expected each parameter "
-                              "in one group")
-        for q in self._masters:
-            if q.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() and p.numel():
-                raise AutospError(
-                    f"{_WHERE} found two parameters sharing memory (shapes {tuple(q.shape)} and "
-                    f"{tuple(p.shape)}); expected distinct parameters: each gets a master copy, "
-                    "and one's update would overwrite the other's")
         pin = p.is_cuda and torch.cuda.is_available()
         master = torch.empty(p.shape, dtype=_master_dtype(p, self._master_dtype), device="cpu",
                              pin_memory=pin)
@@ -129,28 +172,73 @@ class OffloadOptimizer(torch.optim.Optimizer):
             master.copy_(p.detach())
         self._masters[p] = master
         self._versions[p] = p._version
+        self._data_ptrs[p] = p.data_ptr()
         return master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_building", False):  # torch's __init__ adding the device groups
             super().add_param_group(param_group)
             return
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{_WHERE} found a param_group of type "
+                            f"{type(param_group).__name__}; expected a dict")
         param_group = {**param_group, "params": self._group_params(param_group)}
-        self.optimizer.add_param_group(self._host_group(param_group))
-        super().add_param_group(param_group)
+        self._check_new_parameters(param_group["params"], differentiable=bool(
+            param_group.get("differentiable", self.defaults.get("differentiable"))))
+        # torch's own checks (e.g. a hyperparameter a group must set) can still fail: undo.
+        before = (dict(self._masters), dict(self._versions), dict(self._data_ptrs),
+                  len(self.optimizer.param_groups), len(self.param_groups))
+        try:
+            self.optimizer.add_param_group(self._host_group(param_group))
+            super().add_param_group(param_group)
+        except BaseException:
+            self._masters, self._versions, self._data_ptrs = before[0], before[1], before[2]
+            del self.optimizer.param_groups[before[3]:]
+            del self.param_groups[before[4]:]
+            raise
+        self._built_groups.append(list(param_group["params"]))
         self._share_state()
 
     def _share_state(self) -> None:
-        """``state[p]`` is the wrapped optimizer's state dict of p's master (the same dict)."""
+        """``state[p]`` is the wrapped optimizer's state dict of p's master (the same dict), and
+        p has no state where its master has none."""
         for p, master in self._masters.items():
             if master in self.optimizer.state:
                 self.state[p] = self.optimizer.state[master]
+            else:
+                self.state.pop(p, None)
 
     def _hand_over_hyperparameters(self) -> None:
         for mine, theirs in zip(self.param_groups, self.optimizer.param_groups):
             for key, value in mine.items():
                 if key != "params":
                     theirs[key] = value
+
+    def _check_parameters(self) -> None:
+        """Raises, changing nothing, if the groups or a parameter's shape changed since the
+        optimizer was built."""
+        if len(self.param_groups) != len(self._built_groups):
+            raise AutospError(
+                f"{_WHERE} found {len(self.param_groups)} parameter groups; expected the "
+                f"{len(self._built_groups)} it was built with: add a group with "
+                "add_param_group(...), which gives its parameters master weights on the host")
+        for i, (group, built) in enumerate(zip(self.param_groups, self._built_groups)):
+            now = group["params"]
+            if len(now) != len(built) or any(a is not b for a, b in zip(now, built)):
+                raise AutospError(
+                    f"{_WHERE} found parameter group {i} with {len(now)} parameters, not the "
+                    f"{len(built)} it was built with (param_groups[{i}]['params'] was changed "
+                    "directly); expected the parameters as built: add parameters with "
+                    "add_param_group({'params': [...]}), which gives them master weights on the "
+                    "host")
+        for i, (p, master) in enumerate(self._masters.items()):
+            if p.shape != master.shape:
+                raise AutospError(
+                    f"{_WHERE} found parameter {i} (in param_groups' order) of shape "
+                    f"{tuple(p.shape)}, built with shape {tuple(master.shape)}: it was replaced "
+                    "(p.data = t) by a tensor of another shape; expected the shape it had when "
+                    "the optimizer was built: build a new OffloadOptimizer over the new "
+                    "parameters")
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -181,12 +269,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._to_device(only_with_grad=True)
         return loss
 
+    @staticmethod
+    @torch.no_grad()
+    def _read_into_master(p: torch.Tensor, master: torch.Tensor) -> None:
+        """Reads p into its master where p differs from the master rounded to p's dtype: a
+        write of the values p already has (a bf16 parameter's own) keeps the master's low
+        bits."""
+        value = p.detach()
+        if value.dtype == master.dtype:
+            master.copy_(value)
+            return
+        value = value.to("cpu")
+        kept = value == master.to(value.dtype)
+        master.copy_(torch.where(kept, master, value.to(master.dtype)))
+
     @torch.no_grad()
     def _read_changed_parameters(self) -> None:
+        self._check_parameters()
         for p, master in self._masters.items():
-            if p._version != self._versions[p]:
-                master.copy_(p.detach())
+            if p._version != self._versions[p] or p.data_ptr() != self._data_ptrs[p]:
+                self._read_into_master(p, master)
                 self._versions[p] = p._version
+                self._data_ptrs[p] = p.data_ptr()
 
     @torch.no_grad()
     def _to_device(self, only_with_grad: bool) -> None:
@@ -200,6 +304,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             torch.cuda.synchronize()
         for p in self._masters:
             self._versions[p] = p._version
+            self._data_ptrs[p] = p.data_ptr()
 
     # -- state -----------------------------------------------------------------------------
 
@@ -229,31 +334,79 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._read_changed_parameters()
         self._hand_over_hyperparameters()
         sd = self.optimizer.state_dict()
-        return {"state": sd["state"], "param_groups": sd["param_groups"],
-                "master_weights": {str(i): m for i, m in enumerate(self._masters.values())}}
+        state = dict(sd["state"])  # its entries are the host state's own dicts: not changed
+        masters: dict[str, Any] = {}
+        for i, (p, master) in enumerate(self._masters.items()):
+            if master.dtype != p.dtype:
+                state[i] = {**state.get(i, {}), "master_weight": master}
+                masters[str(i)] = "state"
+            else:
+                masters[str(i)] = master
+        return {"state": state, "param_groups": sd["param_groups"], "master_weights": masters}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        masters = state_dict.get("master_weights") if isinstance(state_dict, dict) else None
-        if not isinstance(masters, dict) or len(masters) != len(self._masters):
-            found = len(masters) if isinstance(masters, dict) else "no"
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+                and isinstance(state_dict.get("param_groups"), list)):
+            found = (f"keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict)
+                     else f"a {type(state_dict).__name__}")
+            raise AutospError(f"{_WHERE} found a state dict with {found}; expected a dict with "
+                              "'state' and 'param_groups' (and 'master_weights'), as "
+                              "OffloadOptimizer.state_dict() returns")
+        self._check_parameters()
+        state, masters = state_dict["state"], state_dict.get("master_weights")
+        if masters is not None and (not isinstance(masters, dict)
+                                    or len(masters) != len(self._masters)):
+            found = len(masters) if isinstance(masters, dict) else type(masters).__name__
             raise AutospError(f"{_WHERE} found a state dict with {found} master weights; "
                               f"expected {len(self._masters)}, from an OffloadOptimizer over the "
                               "same parameters")
+        # state's keys are the saved groups' "params" (indices; DCP's set_state_dict: names).
+        keys = [k for g in state_dict["param_groups"]
+                for k in (g.get("params", []) if isinstance(g, dict) else [])]
+        if len(keys) != len(self._masters):
+            raise AutospError(f"{_WHERE} found a state dict with {len(keys)} parameters in its "
+                              f"param_groups; expected {len(self._masters)}, from an "
+                              "OffloadOptimizer over the same parameters")
+        saved_masters: list[torch.Tensor | None] = []
         for i, (p, master) in enumerate(self._masters.items()):
-            saved = masters.get(str(i))
-            if not isinstance(saved, torch.Tensor) or saved.shape != master.shape:
+            entry = state.get(keys[i])
+            saved = entry.get("master_weight") if isinstance(entry, dict) else None
+            if saved is None and masters is not None:
+                saved = masters.get(str(i))
+                if not isinstance(saved, torch.Tensor):  # "state", with no state[i]
+                    found = "nothing" if saved is None else repr(saved)
+                    raise AutospError(f"{_WHERE} found {found} as master weight {i} in the "
+                                      f"state dict and no state[{i}]['master_weight']; expected "
+                                      "a tensor, as OffloadOptimizer.state_dict() writes")
+            if saved is None and master.dtype != p.dtype and isinstance(entry, dict) and entry:
+                raise AutospError(
+                    f"{_WHERE} found the state of parameter {i} ({p.dtype}, shape "
+                    f"{tuple(p.shape)}) without its {master.dtype} master weight; expected "
+                    f"state[{keys[i]!r}]['master_weight'], as OffloadOptimizer.state_dict() "
+                    "writes (reading it from the parameter would lose its low bits)")
+            if saved is not None and (not isinstance(saved, torch.Tensor)
+                                      or saved.shape != master.shape):
                 shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else saved
                 raise AutospError(f"{_WHERE} found master weight {i} of shape {shape} in the "
                                   f"state dict; expected {tuple(master.shape)}, the shape of "
                                   "that parameter")
-        self.optimizer.load_state_dict({"state": state_dict["state"],
+            saved_masters.append(saved)
+        host_state = {}
+        for key, entry in state.items():
+            if isinstance(entry, dict) and "master_weight" in entry:
+                entry = {k: v for k, v in entry.items() if k != "master_weight"}
+                if not entry:
+                    continue
+            host_state[key] = entry
+        self.optimizer.load_state_dict({"state": host_state,
                                         "param_groups": state_dict["param_groups"]})
         for mine, theirs in zip(self.param_groups, self.optimizer.param_groups):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
-        for i, master in enumerate(self._masters.values()):
-            saved = masters[str(i)]
-            if saved is not master:
+        for saved, (p, master) in zip(saved_masters, self._masters.items()):
+            if saved is None:  # e.g. DCP's get_state_dict of full-precision parameters
+                self._read_into_master(p, master)
+            elif saved is not master:
                 master.copy_(saved)
         self._share_state()
         self._to_device(only_with_grad=False)
@@ -278,6 +431,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # A copy's parameters are new tensors: its masters were read from their values.
+        self._data_ptrs = {p: p.data_ptr() for p in self._masters}
 
     def __repr__(self) -> str:
         return f"OffloadOptimizer({self.optimizer!r})"
