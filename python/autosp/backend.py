@@ -21,7 +21,7 @@ from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
 from autosp.decompose import decompose_composites
 from autosp.errors import AutospError, AutospGatherWarning, stage
-from autosp.remat_policy import BACKENDS  # the backend names, defined once
+from autosp.remat_policy import AUTO, BACKENDS, MemoryBudget, Offload  # names defined once
 from autosp.specialize import PerShapeCompiled
 
 
@@ -155,6 +155,10 @@ class SequenceParallelBackend:
         """Compile one Dynamo graph. Raises only AutospError: a problem with the model is
         reported as such; any other exception from autosp's own stages (bridge, plan,
         apply, compile) becomes an internal-error AutospError chained to it."""
+        if not isinstance(self.remat, (str, MemoryBudget, Offload)) or self.remat == AUTO:
+            raise AutospError(f"[autosp:compile] found remat={self.remat!r} at compile time; "
+                              "expected a policy name, a MemoryBudget or an Offload (remat="
+                              "'auto' is resolved by autosp.compile's module at its first call)")
         rec = CompileRecord()
         self.records.append(rec)
         t0 = time.perf_counter()

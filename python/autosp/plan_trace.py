@@ -109,13 +109,28 @@ def _build_fake_model(config: LlamaConfig, dtype: str, batch_size: int, seq: int
 
 def capture_joint(
     model: Any, args: Sequence[Any], *, sp_size: int, group: str | None = None,
-    tile_loss: bool = False, tile_mlp: bool = False,
+    tile_loss: bool = False, tile_mlp: bool = False, kwargs: dict[str, Any] | None = None,
+    seq_dim: int = 1, sp_options: dict[str, Any] | None = None,
 ) -> tuple[Any, Any, int, Any, set[int]]:
     """Traces `model(*args)` as autosp.compile would (Ulysses plan for `sp_size` ranks when
-    sp_size > 1 or with ``tile_loss`` / ``tile_mlp``, as ``autosp.compile(tile_loss=..., tile_mlp=...)``) up to AOTAutograd's prepared joint graph, and returns
+    sp_size > 1 or with ``tile_loss`` / ``tile_mlp``, as ``autosp.compile(tile_loss=...,
+    tile_mlp=...)``) up to AOTAutograd's prepared joint graph, and returns
     ``(joint_module, node_info, num_fwd_outputs, shape_env, param_primals)`` (the indices of
     the primal inputs that are parameters, with their names) without compiling or running it.
-    Mark the inputs' sequence dim dynamic first."""
+    Mark the inputs' sequence dim (``seq_dim``) dynamic first. ``sp_options``: other
+    ``_core.SpConfig`` fields to plan with, by name (as the compiling backend sets them)."""
+    return capture_joints(model, args, sp_size=sp_size, group=group,
+                          variants=[(tile_loss, tile_mlp)], kwargs=kwargs, seq_dim=seq_dim,
+                          sp_options=sp_options)[0]
+
+
+def capture_joints(
+    model: Any, args: Sequence[Any], *, sp_size: int, variants: Sequence[tuple[bool, bool]],
+    group: str | None = None, kwargs: dict[str, Any] | None = None, seq_dim: int = 1,
+    sp_options: dict[str, Any] | None = None,
+) -> list[tuple[Any, Any, int, Any, set[int]]]:
+    """:func:`capture_joint` for each ``(tile_loss, tile_mlp)`` of ``variants``, from one
+    Dynamo trace of the model (each variant plans and applies its own copy of the graph)."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
@@ -124,7 +139,9 @@ def capture_joint(
     from autosp import remat
     from autosp.apply import RankContext, apply_plan
     from autosp.bridge import fx_to_core
+    from autosp.decompose import decompose_composites
 
+    results: list[tuple[Any, Any, int, Any, set[int]]] = []
     captured: dict[str, Any] = {}
 
     def partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -132,56 +149,62 @@ def capture_joint(
         # in place; the facts are then gathered from exactly what it solved on.
         remat.make_partition_fn("none")(joint, joint_inputs, **kwargs)
         static = kwargs.get("static_lifetime_input_indices") or []
-        captured["joint"] = joint
-        captured["node_info"] = partitioners.classify_nodes(
-            joint, static, kwargs["num_fwd_outputs"]
-        )
-        captured["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
         from torch._guards import detect_fake_mode
 
         fake_mode = detect_fake_mode(joint_inputs)
-        captured["shape_env"] = fake_mode.shape_env if fake_mode is not None else None
+        captured["joint"] = (joint, partitioners.classify_nodes(
+            joint, static, kwargs["num_fwd_outputs"]), kwargs["num_fwd_outputs"],
+            fake_mode.shape_env if fake_mode is not None else None)
         raise _Captured()
 
     def backend(gm: Any, example_inputs: list[Any]) -> Any:
         names = {id(p): name for name, p in model.named_parameters()}
-        captured["param_primals"] = {
+        param_primals = {
             i: names.get(id(x), "")
             for i, x in enumerate(example_inputs)
             if isinstance(x, torch.nn.Parameter)
         }
-        if sp_size > 1 or tile_loss or tile_mlp:
-            bridge = fx_to_core(gm, list(example_inputs), 1)
-            cfg = _core.SpConfig()
-            cfg.sp_size = sp_size
-            cfg.tile_loss = tile_loss
-            cfg.tile_mlp = tile_mlp
+        decompose_composites(gm)  # as the backend does before its plan
+        for tile_loss, tile_mlp in variants:
+            applied = gm
+            if sp_size > 1 or tile_loss or tile_mlp:
+                bridge = fx_to_core(gm, list(example_inputs), seq_dim)
+                cfg = _core.SpConfig()
+                for name, value in (sp_options or {}).items():
+                    setattr(cfg, name, value)
+                cfg.sp_size = sp_size
+                cfg.tile_loss = tile_loss
+                cfg.tile_mlp = tile_mlp
+                try:
+                    sp_plan = _core.plan_ulysses(bridge.graph, cfg)
+                except _core.PlanError as e:
+                    raise AutospError(str(e)) from None
+                ctx = RankContext(rank=0, world=sp_size, group=group or _fake_sp_group(sp_size))
+                applied = apply_plan(gm, bridge, sp_plan, ctx)  # a new graph: gm is kept
+            captured.pop("joint", None)
             try:
-                sp_plan = _core.plan_ulysses(bridge.graph, cfg)
-            except _core.PlanError as e:
-                raise AutospError(str(e)) from None
-            ctx = RankContext(rank=0, world=sp_size, group=group or _fake_sp_group(sp_size))
-            gm = apply_plan(gm, bridge, sp_plan, ctx)
-        return aot_autograd(
-            fw_compiler=boxed_nop,
-            bw_compiler=boxed_nop,
-            partition_fn=partition,
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
+                aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                             partition_fn=partition,
+                             keep_inference_input_mutations=True)(applied, example_inputs)
+            except _Captured:
+                pass
+            if "joint" not in captured:
+                raise AutospError("[plan] the model's training step did not reach AOTAutograd")
+            results.append((*captured["joint"], param_primals))
+        raise _Captured()
 
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     try:
-        compiled(*args)
+        compiled(*args, **(kwargs or {}))
     except torch._dynamo.exc.BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, AutospError):
             raise inner.with_traceback(None) from None
         if not isinstance(inner, _Captured):
             raise
-    if "joint" not in captured:
+    if len(results) != len(variants):
         raise AutospError("[plan] the model's training step did not reach AOTAutograd")
-    return (captured["joint"], captured["node_info"], captured["num_fwd_outputs"],
-            captured["shape_env"], captured["param_primals"])
+    return results
 
 
 _TRACE_CACHE: dict[tuple, TracedStep] = {}

@@ -32,6 +32,10 @@ Policies (``policy=``):
     ``policy`` (a name or a MemoryBudget), with the hidden states that decoder layers hand to
     each other kept in host memory between the forward and the backward (see
     :class:`autosp.remat_policy.Offload`).
+``"auto"`` / ``Auto(memory=..., host_memory=...)`` (``autosp.compile`` only)
+    At the first call, the combination of the policies above, the tiled loss, the tiled MLP
+    and offload with the least predicted step-time overhead whose predicted peak fits the
+    device (see :class:`autosp.remat_policy.Auto` and autosp.remat_auto).
 
 Use it with plain ``torch.compile`` (no sequence parallelism)::
 
@@ -60,10 +64,13 @@ from autosp.compile_cache import load_reports, marked_cacheable, report_key, sav
 from autosp.errors import AutospError
 from autosp.remat_facts import SizeFn, gather_facts, node_flops
 from autosp.remat_partition import make_partition_fn
-from autosp.remat_policy import (BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, GraphRematReport,
-                                 MemoryBudget, Offload, RematPolicy, RematReport, _core_options)
+from autosp.remat_policy import (AUTO, BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, Auto,
+                                 GraphRematReport, MemoryBudget, Offload, RematPolicy, RematReport,
+                                 _core_options)
 
 __all__ = [
+    "AUTO",
+    "Auto",
     "DEFAULT_RECOMPUTE_FLOPS_RATIO",
     "POLICIES",
     "GraphRematReport",

@@ -84,7 +84,45 @@ class Offload:
             )
 
 
-RematPolicy = Union[str, MemoryBudget, Offload]
+#: ``remat="auto"``: autosp.compile picks the policy (see Auto).
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Auto:
+    """``autosp.compile(remat=Auto(...))`` (``remat="auto"`` is ``Auto()``): at the first call,
+    autosp predicts the peak memory per rank of a training step of the model at that call's
+    sequence length for every combination of remat policy, tiled loss, tiled MLP and
+    activation offload, and compiles the one with the least predicted step-time overhead
+    that fits (autosp.remat_auto; the choice of ``autosp plan``).
+
+    ``memory``: the device memory per rank the step must fit, bytes or a size such as
+    ``"70GB"``; default, the CUDA device's total memory (a CPU model needs it given).
+    ``host_memory``: the host memory per rank offloaded activations (and an offloaded
+    optimizer) may take; default 80% of this machine's memory over its local ranks.
+    ``offload_optimizer``: the optimizer is an autosp.OffloadOptimizer (its state in host
+    memory); otherwise the peak counts AdamW's state on the device (fp32 moments, and fp32
+    master weights for bf16 parameters), as ``autosp plan`` does."""
+
+    memory: Union[int, str, None] = None
+    host_memory: Union[int, str, None] = None
+    offload_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        from autosp.plan_inputs import parse_bytes
+
+        for what, value in (("memory", self.memory), ("host memory", self.host_memory)):
+            if value is not None:
+                try:
+                    parse_bytes(value, what)
+                except AutospError as e:
+                    raise AutospError(str(e).replace("[plan]", "[remat] Auto:", 1)) from None
+        if not isinstance(self.offload_optimizer, bool):
+            raise AutospError(f"[remat] Auto(offload_optimizer=...) found "
+                              f"{self.offload_optimizer!r}; expected True or False")
+
+
+RematPolicy = Union[str, MemoryBudget, Offload, Auto]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from autosp.errors import AutospError
+from autosp.remat_auto import host_memory_per_rank
 from autosp.train.config import TrainConfig
 
 
@@ -52,20 +53,6 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
     return at.peak, (f"autosp plan: predicted peak {at.peak / gib:.3f} GiB per rank at S = "
                      f"{t.seq_len} ({result.strategies[0].name}, during {at.phase}; "
                      f"{time.perf_counter() - start:.1f} s to plan)")
-
-
-def host_memory_per_rank(world: int) -> int:
-    """80% of this machine's physical memory over the ranks it runs (torchrun's
-    LOCAL_WORLD_SIZE, else ``world``): what ``remat auto`` lets offload take by default. 0
-    where the OS does not say."""
-    import os
-
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-    return int(0.8 * total / max(local, 1))
 
 
 def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
