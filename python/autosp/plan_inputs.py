@@ -64,6 +64,16 @@ def parse_bytes(text: str | int | float, what: str = "GPU memory") -> int:
     return int(float(m.group(1)) * scale)
 
 
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit under which they are at least 1 (parse_bytes reads
+    the result back): 1536 -> '1.50 KiB', 20 << 20 -> '20.00 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
 def _config_from_hf(data: dict[str, Any], where: str) -> LlamaConfig:
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")

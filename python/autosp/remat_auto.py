@@ -22,16 +22,9 @@ import torch
 
 from autosp import _core
 from autosp.errors import AutospError, stage
+from autosp.plan_inputs import format_bytes as _size
 from autosp.plan_result import LOSS_CHUNKS_HEADROOM, MemoryPrediction
 from autosp.remat_policy import Auto, Offload
-
-def _size(n: float) -> str:
-    """Bytes as GiB, MiB or KiB, whichever reads best."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
 
 def host_memory_per_rank(world: int) -> int:
     """80% of this machine's physical memory over the ranks it runs (torchrun's

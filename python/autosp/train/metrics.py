@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from autosp.plan_inputs import format_bytes as human_bytes  # noqa: F401 - one definition
+
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_ms", "tokens_per_s",
           "tokens_per_s_per_device", "peak_mem_bytes", "model_flops", "tflops_per_device", "mfu")
 
@@ -73,14 +75,6 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
             if key in name:
                 return value
     return None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _human_rate(n: float) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from autosp.errors import AutospError
+from autosp.plan_inputs import format_bytes
 from autosp.remat_auto import host_memory_per_rank
 from autosp.train.config import TrainConfig
 
@@ -49,8 +50,7 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
     at = result.strategies[0].at_seq
     if at is None:
         return None, "autosp plan: no prediction at this sequence length"
-    gib = float(1 << 30)
-    return at.peak, (f"autosp plan: predicted peak {at.peak / gib:.3f} GiB per rank at S = "
+    return at.peak, (f"autosp plan: predicted peak {format_bytes(at.peak)} per rank at S = "
                      f"{t.seq_len} ({result.strategies[0].name}, during {at.phase}; "
                      f"{time.perf_counter() - start:.1f} s to plan)")
 
@@ -98,10 +98,10 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
                   key=lambda s: s.at_seq.peak)
         raise AutospError(
             f"[autosp:train] training.remat = 'auto': found no combination of remat, tiled "
-            f"loss, tiled MLP and offload predicted to fit {budget / gib:.2f} GiB per rank at "
-            f"S = {t.seq_len} with {host / gib:.1f} GiB of host memory per rank (the lowest: "
-            f"{low.name}, {low.at_seq.peak / gib:.2f} GiB, {low.at_seq.host_bytes / gib:.1f} "
-            "GiB on the host); expected a shorter seq_len, more ranks in the SP group, or more "
+            f"loss, tiled MLP and offload predicted to fit {format_bytes(budget)} per rank at "
+            f"S = {t.seq_len} with {format_bytes(host)} of host memory per rank (the lowest: "
+            f"{low.name}, {format_bytes(low.at_seq.peak)}, {format_bytes(low.at_seq.host_bytes)} "
+            "on the host); expected a shorter seq_len, more ranks in the SP group, or more "
             "memory (training.memory_gib, training.host_memory_gib)")
     t.remat, t.tile_loss, t.tile_mlp = best.remat, best.tile_loss, best.tile_mlp
     t.offload, t.offload_all = best.offload, best.offload_all
@@ -111,7 +111,7 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
         chunks = (f" with {t.loss_chunks} loss chunks, the fewest predicted to fit (with the "
                   f"rule's {best.loss_chunks} chunks, the least memory)")
     return (f"autosp plan: remat auto chose {best.name}{chunks}: predicted peak "
-            f"{best.at_seq.peak / gib:.3f} GiB of {budget / gib:.2f}, "
-            f"{best.at_seq.host_bytes / gib:.2f} GiB on the host of {host / gib:.1f}, "
+            f"{format_bytes(best.at_seq.peak)} of {format_bytes(budget)}, "
+            f"{format_bytes(best.at_seq.host_bytes)} on the host of {format_bytes(host)}, "
             f"+{100 * best.at_seq.overhead:.0f}% predicted step time "
             f"({time.perf_counter() - start:.1f} s to plan {len(result.strategies)} combinations)")
