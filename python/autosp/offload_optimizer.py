@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from autosp import offload_state
 from autosp.errors import AutospError
 
 __all__ = ["OffloadOptimizer"]
@@ -346,59 +347,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
-                and isinstance(state_dict.get("param_groups"), list)):
-            found = (f"keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict)
-                     else f"a {type(state_dict).__name__}")
-            raise AutospError(f"{_WHERE} found a state dict with {found}; expected a dict with "
-                              "'state' and 'param_groups' (and 'master_weights'), as "
-                              "OffloadOptimizer.state_dict() returns")
         self._check_parameters()
-        state, masters = state_dict["state"], state_dict.get("master_weights")
-        if masters is not None and (not isinstance(masters, dict)
-                                    or len(masters) != len(self._masters)):
-            found = len(masters) if isinstance(masters, dict) else type(masters).__name__
-            raise AutospError(f"{_WHERE} found a state dict with {found} master weights; "
-                              f"expected {len(self._masters)}, from an OffloadOptimizer over the "
-                              "same parameters")
-        # state's keys are the saved groups' "params" (indices; DCP's set_state_dict: names).
-        keys = [k for g in state_dict["param_groups"]
-                for k in (g.get("params", []) if isinstance(g, dict) else [])]
-        if len(keys) != len(self._masters):
-            raise AutospError(f"{_WHERE} found a state dict with {len(keys)} parameters in its "
-                              f"param_groups; expected {len(self._masters)}, from an "
-                              "OffloadOptimizer over the same parameters")
-        saved_masters: list[torch.Tensor | None] = []
-        for i, (p, master) in enumerate(self._masters.items()):
-            entry = state.get(keys[i])
-            saved = entry.get("master_weight") if isinstance(entry, dict) else None
-            if saved is None and masters is not None:
-                saved = masters.get(str(i))
-                if not isinstance(saved, torch.Tensor):  # "state", with no state[i]
-                    found = "nothing" if saved is None else repr(saved)
-                    raise AutospError(f"{_WHERE} found {found} as master weight {i} in the "
-                                      f"state dict and no state[{i}]['master_weight']; expected "
-                                      "a tensor, as OffloadOptimizer.state_dict() writes")
-            if saved is None and master.dtype != p.dtype and isinstance(entry, dict) and entry:
-                raise AutospError(
-                    f"{_WHERE} found the state of parameter {i} ({p.dtype}, shape "
-                    f"{tuple(p.shape)}) without its {master.dtype} master weight; expected "
-                    f"state[{keys[i]!r}]['master_weight'], as OffloadOptimizer.state_dict() "
-                    "writes (reading it from the parameter would lose its low bits)")
-            if saved is not None and (not isinstance(saved, torch.Tensor)
-                                      or saved.shape != master.shape):
-                shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else saved
-                raise AutospError(f"{_WHERE} found master weight {i} of shape {shape} in the "
-                                  f"state dict; expected {tuple(master.shape)}, the shape of "
-                                  "that parameter")
-            saved_masters.append(saved)
-        host_state = {}
-        for key, entry in state.items():
-            if isinstance(entry, dict) and "master_weight" in entry:
-                entry = {k: v for k, v in entry.items() if k != "master_weight"}
-                if not entry:
-                    continue
-            host_state[key] = entry
+        saved_masters = offload_state.saved_masters(state_dict, list(self._masters.items()))
+        host_state = offload_state.host_state(state_dict["state"])
         self.optimizer.load_state_dict({"state": host_state,
                                         "param_groups": state_dict["param_groups"]})
         for mine, theirs in zip(self.param_groups, self.optimizer.param_groups):
