@@ -389,6 +389,11 @@ def test_bad_gpu_memory_and_strategy() -> None:
     with pytest.raises(AutospError, match=r"found GPU memory '80 parsecs'; expected a positive "
                                           r"size such as '80GB'"):
         planner.parse_bytes("80 parsecs")
+    # Sizes past int64 (the core's) or not finite: clear errors, not an overflow inside.
+    for big in (2**63, float("inf"), float("nan"), "5000000TB"):
+        with pytest.raises(AutospError, match=r"found GPU memory .*; expected a (positive )?size "
+                                              r"up to 4611686018427387904 bytes"):
+            planner.parse_bytes(big)
     with pytest.raises(AutospError, match=r"unknown strategy 'ring\+none'"):
         planner.plan(TINY, gpus=2, sp=2, strategies=["ring+none"])
     with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+full\+offload'.*an offload "

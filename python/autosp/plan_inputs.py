@@ -44,14 +44,19 @@ OPTIMIZER_SHARDING = ("none", "dp", "world")
 # Inputs
 
 
+#: The largest size parse_bytes takes (4 EiB): sizes are int64 in the core, with room to add.
+MAX_BYTES = 1 << 62
+
+
 def parse_bytes(text: str | int | float, what: str = "GPU memory") -> int:
     """``"80GB"`` -> 80 GiB (``what`` names the value in errors). GPU vendors' "GB" are binary (an A100 80GB has 81920 MiB), so
     GB/GiB, MB/MiB, TB/TiB and KB/KiB are all powers of 1024; a bare number is bytes."""
     if isinstance(text, bool):
         raise AutospError(f"[plan] found {what} {text!r}; expected a size such as '80GB'")
     if isinstance(text, (int, float)):
-        if text <= 0:
-            raise AutospError(f"[plan] found {what} {text!r}; expected a positive size")
+        if not 0 < text <= MAX_BYTES:  # NaN too
+            raise AutospError(f"[plan] found {what} {text!r}; expected a positive size up to "
+                              f"{MAX_BYTES} bytes")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*", str(text), re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
@@ -61,7 +66,11 @@ def parse_bytes(text: str | int | float, what: str = "GPU memory") -> int:
         )
     unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
     scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
-    return int(float(m.group(1)) * scale)
+    value = float(m.group(1)) * scale
+    if value > MAX_BYTES:
+        raise AutospError(f"[plan] found {what} {text!r}; expected a size up to {MAX_BYTES} "
+                          "bytes (4 EiB)")
+    return int(value)
 
 
 def format_bytes(n: float) -> str:

@@ -196,7 +196,7 @@ def choose_for_call(module: Any, request: AutoRequest, args: tuple, kwargs: dict
     seq_dim = module.seq_dim
     seq = next(t.shape[seq_dim] for t in list(args) + list(kwargs.values())
                if isinstance(t, torch.Tensor) and t.dim() > seq_dim)
-    failure: AutospError | None = None
+    failure: Exception | None = None
     try:
         choice = choose(
             module.module, args, kwargs, auto=request.auto, budget=request.budget,
@@ -206,8 +206,9 @@ def choose_for_call(module: Any, request: AutoRequest, args: tuple, kwargs: dict
             sp_options={"fuse_qkv": backend.fuse_qkv, "gather_outputs": backend.gather_outputs,
                         "gather_unsupported": backend.gather_unsupported})
         mine = f"{choice.chosen.name}, {choice.loss_chunks or 'default'} loss chunks"
-    except AutospError as e:  # said to the other ranks first: they must not wait for this one
-        failure, mine = e, f"no choice ({str(e).splitlines()[0][:200]})"
+    except Exception as e:  # said to the other ranks first: they must not wait for this one
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        failure, mine = e, f"no choice ({first})"
     group = module.sp_group
     if group is not None and dist.get_world_size(group) > 1:
         every: list[Any] = [None] * dist.get_world_size(group)
