@@ -246,7 +246,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
                  dynamic=dynamic)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
-    sp_backend = _make_backend(mesh, seq_dim, remat, backend, remat_report, outputs, unsupported,
+    sp_backend = _make_backend(mesh, seq_dim, auto or remat, backend, remat_report, outputs, unsupported,
                                tile_loss, tile_mlp, loss_chunks, dynamic)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     shard.check_not_fsdp2(model)

@@ -16,6 +16,21 @@ from autosp.errors import AutospError
 from autosp.remat_facts import _COLLECTIVE_NAMESPACES, aliased_arg, layer_of_path
 
 
+class _OneSequence:
+    """A shape env whose ``replace`` also writes every symbol of ``seqs`` as the first one."""
+
+    def __init__(self, shape_env: Any, seqs: list) -> None:
+        self._env = shape_env
+        self.seq = seqs[0]
+        self._same = {s: self.seq for s in seqs[1:]}
+
+    def replace(self, expr: Any) -> Any:
+        return self._env.replace(expr).xreplace(self._same)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
 def _seq_symbols(joint: Any, shape_env: Any) -> set:
     import torch
 
@@ -147,13 +162,21 @@ def _memory_graph(
     nodes, facts = remat.gather_facts(joint.graph, node_info)
     index = {n: i for i, n in enumerate(nodes)}
     seqs = _seq_symbols(joint, shape_env)
+    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
+    values = {int(hints[s]) if s in hints else None for s in seqs}
+    if len(seqs) > 1 and len(values) == 1 and None not in values:
+        # Inputs marked along the sequence, each with its own symbol (token ids and an
+        # attention mask): autosp.compile marks only dims of the call's sequence length, so
+        # they are one S.
+        shape_env = _OneSequence(shape_env, sorted(seqs, key=str))
+        seqs = {shape_env.seq}
     if len(seqs) != 1:
         raise AutospError(
-            f"[plan] found {len(seqs)} symbolic sizes ({sorted(map(str, seqs))}) in the traced "
-            "inputs; expected exactly one, the sequence length"
+            f"[plan] found {len(seqs)} sequence lengths in the traced inputs "
+            f"(sizes {sorted(values, key=str)}); expected one, the sequence length S of every "
+            "input marked along it"
         )
     (seq,) = seqs
-    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", {})
     hint = int(hints[seq]) if seq in hints else None
 
     output = next(n for n in joint.graph.nodes if n.op == "output")

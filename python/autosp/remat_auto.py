@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from autosp import _core
-from autosp.errors import AutospError, stage
+from autosp.errors import AutospError
 from autosp.plan_inputs import format_bytes as _size
 from autosp.plan_result import LOSS_CHUNKS_HEADROOM, MemoryPrediction
 from autosp.remat_policy import Auto, Offload
@@ -121,33 +121,48 @@ def choose(model: torch.nn.Module, args: tuple, kwargs: dict, *, auto: Auto, bud
     start = time.perf_counter()
     choices = [c for c in _parse_strategies(combinations("ulysses"))
                if c.tile_loss >= tile_loss and c.tile_mlp >= tile_mlp]
-    params = {id(p): p for p in model.parameters()}.values()
-    num_params = sum(p.numel() for p in params)
-    dtype = "bf16" if any(p.dtype == torch.bfloat16 for p in params) else "fp32"
+    # The optimizer's state is for the parameters that are trained (a frozen base model's
+    # weights are in the graph as parameters, with no gradient and no state).
+    trained = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    num_params = sum(p.numel() for p in trained)
+    dtype = "bf16" if any(p.dtype == torch.bfloat16 for p in trained) else "fp32"
     keys = sorted({(c.tile_loss, c.tile_mlp) for c in choices})
     captured = capture_joints(model, args, kwargs=kwargs, sp_size=sp_size, seq_dim=seq_dim,
                               variants=keys, sp_options=sp_options)
     graphs: dict[tuple[bool, bool], Any] = {}
     for key, joint in zip(keys, captured):
         try:
-            with stage("remat-auto"):
-                graphs[key] = _memory_graph(*joint)
-        except AutospError as e:
-            raise AutospError(f"[autosp:compile] remat='auto' could not model this step's "
-                              f"memory: {e}; expected a model whose sizes depend on the "
-                              "sequence length alone, or pass a remat policy instead") from None
-    candidates, options = [], []
+            graphs[key] = _memory_graph(*joint)
+        except Exception as e:  # noqa: BLE001 - a model the memory model does not cover
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise AutospError(
+                f"[autosp:compile] remat='auto' could not predict this model's memory "
+                f"({type(e).__name__}: {first}); expected sizes that depend on the sequence "
+                "length alone (sizes that depend on the data, such as MoE routing with "
+                "torch.where, are not modelled): pass a remat policy instead, e.g. "
+                "remat='sequence-aware'") from e
+    candidates, chunks_of = [], []
     for c in choices:
+        graph = graphs[(c.tile_loss, c.tile_mlp)]
         o = _core_options(c.remat, dtype, num_params, 1, param_shards=param_shards,
                           offload=c.offload, offload_all=c.offload_all,
                           loss_chunks=loss_chunks or 0, offload_optimizer=auto.offload_optimizer)
+        chunks = loss_chunks
         try:
-            b = _core.simulate_peak_memory(graphs[(c.tile_loss, c.tile_mlp)], seq_len, o)
+            rule = max((n.chunks for n in graph.nodes), default=0) if c.tile_loss else 0
+            if rule and loss_chunks is None:
+                # Weighed as it would compile: with the fewest chunks predicted to fit (the
+                # fastest), else the rule's (the least memory).
+                fit = _core.fewest_loss_chunks(graph, seq_len, o,
+                                               int(budget * LOSS_CHUNKS_HEADROOM), rule)
+                chunks = fit or None
+                o.loss_chunks = fit
+            b = _core.simulate_peak_memory(graph, seq_len, o)
         except ValueError as e:
             raise AutospError(f"[autosp:compile] remat='auto': {e}") from None
         candidates.append(Candidate(c.name, _policy(c.remat, c.offload, c.offload_all),
                                     c.tile_loss, c.tile_mlp, MemoryPrediction.from_core(b)))
-        options.append(o)
+        chunks_of.append(chunks)
     i = _core.cheapest_fit([c.prediction.to_core() for c in candidates], budget, host_budget)
     seconds = time.perf_counter() - start
     if i < 0:
@@ -160,16 +175,9 @@ def choose(model: torch.nn.Module, args: tuple, kwargs: dict, *, auto: Auto, bud
             f"{_size(low.prediction.host_bytes)} on the host); expected a shorter "
             "sequence, more ranks in the SP group, or more memory (Auto(memory=..., "
             "host_memory=...))")
-    chosen = candidates[i]
-    chunks = loss_chunks
-    if chosen.tile_loss and loss_chunks is None:
-        graph = graphs[(True, chosen.tile_mlp)]
-        rule = max((n.chunks for n in graph.nodes), default=0)
-        if rule:
-            fit = _core.fewest_loss_chunks(graph, seq_len, options[i],
-                                           int(budget * LOSS_CHUNKS_HEADROOM), rule)
-            chunks = fit or None  # the fewest that fit (fastest); else the rule's
-    return AutoChoice(chosen, chunks, seq_len, budget, host_budget, tuple(candidates), seconds)
+    chosen, chunks = candidates[i], chunks_of[i]
+    return AutoChoice(chosen, chunks if chosen.tile_loss else None, seq_len, budget, host_budget,
+                      tuple(candidates), seconds)
 
 
 @dataclass(frozen=True)

@@ -101,8 +101,11 @@ class Auto:
     ``host_memory``: the host memory per rank offloaded activations (and an offloaded
     optimizer) may take; default 80% of this machine's memory over its local ranks.
     ``offload_optimizer``: the optimizer is an autosp.OffloadOptimizer (its state in host
-    memory); otherwise the peak counts AdamW's state on the device (fp32 moments, and fp32
-    master weights for bf16 parameters), as ``autosp plan`` does."""
+    memory); otherwise the peak counts AdamW's state on the device for the parameters that
+    require gradients (fp32 moments, and fp32 master weights for bf16 parameters), as
+    ``autosp plan`` does. The choice is made at the first call with gradients enabled (a
+    first call under ``torch.no_grad()`` compiles without remat or tiling, which only a
+    backward needs)."""
 
     memory: Union[int, str, None] = None
     host_memory: Union[int, str, None] = None

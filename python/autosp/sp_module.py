@@ -176,8 +176,13 @@ class SequenceParallelModule(nn.Module):
                 if self._auto is not None:
                     from autosp.remat_auto import choose_for_call
 
-                    self.remat_choice = choose_for_call(self, self._auto, args, kwargs)
-                    self._auto = None
+                    if torch.is_grad_enabled():
+                        self.remat_choice = choose_for_call(self, self._auto, args, kwargs)
+                        self._auto = None
+                    elif not isinstance(self.sp_backend.remat, str):
+                        # No backward to remat for: compiled as it is, chosen at the first
+                        # call with gradients (a new grad mode compiles anew).
+                        self.sp_backend.remat = "none"
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e

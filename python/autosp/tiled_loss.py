@@ -235,10 +235,48 @@ def _requires_grad(node: fx.Node) -> bool:
 def recomputed_share(node: fx.Node) -> float:
     """Of a node's model FLOPs (autosp.tiled_loss_ops' formulas), the share it computes again
     inside: the recomputing backward recomputes each chunk's logits (2 of its
-    4 * rows * hidden * classes); 0 for any other node (the forward that computes the
-    gradients recomputes nothing). ``autosp plan`` counts it as recomputation
-    (MemoryNode.inner_recompute_flops)."""
-    return 0.5 if node.target is torch.ops.autosp.tiled_head_loss_backward.default else 0.0
+    4 * rows * hidden * classes). A tiled forward whose logits the graph also makes whole (the
+    model returns them, or a z-loss reads them: autosp then leaves that projection as written
+    and the loss recomputes it chunk by chunk) computes those logits a second time: 2 of its
+    FLOPs (all of the plain forward's, 2 of the 2 + 2 per gradient of the one that computes
+    the gradients). 0 for any other node. ``autosp plan`` and ``remat="auto"`` count it as
+    recomputation (MemoryNode.inner_recompute_flops)."""
+    target = node.target
+    if target is torch.ops.autosp.tiled_head_loss_backward.default:
+        return 0.5
+    if target is torch.ops.autosp.tiled_head_loss.default and _logits_made_elsewhere(node):
+        return 1.0
+    if target is torch.ops.autosp.tiled_head_loss_with_grads.default \
+            and _logits_made_elsewhere(node):
+        args = list(node.args) + [None] * 10
+        grad_h = node.kwargs.get("grad_h", args[8])
+        grad_weight = node.kwargs.get("grad_weight", args[9])
+        return 2.0 / (2 + 2 * bool(grad_h) + 2 * bool(grad_weight))
+    return 0.0
+
+
+_VIEWS = {"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand", "alias",
+          "_to_copy", "detach"}
+_MATMULS = {"mm", "addmm", "bmm", "matmul", "linear"}
+
+
+def _logits_made_elsewhere(node: fx.Node) -> bool:
+    """Whether the tiled loss's weight (through views and casts) also feeds a matmul: the
+    projection of the logits the graph makes whole."""
+    seen: set[fx.Node] = set()
+    frontier = [node.args[1]] if isinstance(node.args[1], fx.Node) else []
+    while frontier:
+        v = frontier.pop()
+        for u in v.users:
+            if u is node or u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            name = getattr(getattr(u.target, "_overloadpacket", None), "__name__", "")
+            if name in _MATMULS:
+                return True
+            if name in _VIEWS:
+                frontier.append(u)
+    return False
 
 
 from autosp import tiled_loss_ops  # noqa: E402,F401  (registers the ops; it imports this module)
