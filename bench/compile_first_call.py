@@ -28,7 +28,8 @@ import sys
 import tempfile
 import time
 
-CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static")
+CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
+           "autosp-static-regions")
 
 
 def _child(which: str, layers: int, seq: int, sp: int) -> None:
@@ -53,7 +54,8 @@ def _child(which: str, layers: int, seq: int, sp: int) -> None:
     if which.startswith("autosp"):
         mesh = autosp.init_mesh(sp)
         compiled = autosp.compile(model, mesh=mesh, check_inputs="never",
-                                  dynamic=which == "autosp-dynamic")
+                                  dynamic=which == "autosp-dynamic",
+                                  regions=which.endswith("-regions"))
         compiled(ids, ids).backward()
     else:
         hand = UlyssesLlamaForCausalLM.from_model(model)
@@ -82,12 +84,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--child", default=None, choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--only", default=None, help="comma-separated configurations to run")
     args = ap.parse_args()
     if args.child:
         _child(args.child, args.layers, args.seq, args.sp)
         return
     results = {}
-    for which in CONFIGS:
+    for which in (args.only.split(",") if args.only else CONFIGS):
         cache = tempfile.mkdtemp(prefix="autosp-first-call-")
         results[which] = (_run(which, args.layers, args.seq, args.sp, cache),
                           _run(which, args.layers, args.seq, args.sp, cache))
@@ -96,6 +99,11 @@ def main() -> None:
     print(f"{'':<22}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
     for which, ((cold, kernels), (warm, _)) in results.items():
         print(f"{which:<22}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")
+    if set(results) != set(CONFIGS):
+        return
+    (c, k), _ = results["autosp-static-regions"]
+    (fc, fk), _ = results["autosp-static"]
+    print(f"regions=True / flat, static S, cold: {c / fc:.2f}x ({k} kernels against {fk})")
     for mode in ("dynamic", "static"):
         (c, _), (w, _) = results[f"autosp-{mode}"]
         (hc, _), (hw, _) = results[f"handwritten-{mode}"]

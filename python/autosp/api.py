@@ -123,14 +123,15 @@ def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
                   remat_report: Any = None, outputs: str = "full",
                   unsupported: str = "gather", tile_loss: bool = False,
                   tile_mlp: bool = False, loss_chunks: int | None = None,
-                  dynamic: bool = True) -> SequenceParallelBackend:
+                  dynamic: bool = True, regions: bool = False) -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
                                    backend=compiler, remat_report=remat_report,
                                    gather_outputs=outputs == "full",
                                    gather_unsupported=unsupported == "gather",
                                    tile_loss=tile_loss, tile_mlp=tile_mlp,
-                                   loss_chunks=loss_chunks or 0, dynamic=dynamic)
+                                   loss_chunks=loss_chunks or 0, dynamic=dynamic,
+                                   regions=regions)
 
 
 def backend(mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any = "sequence-aware",
@@ -162,7 +163,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
             remat_report: Any = None, outputs: str = "full",
             check_inputs: str = "on_change", unsupported: str = "gather",
             tile_loss: bool = False, tile_mlp: bool = False,
-            loss_chunks: int | None = None, dynamic: bool = True) -> SequenceParallelModule:
+            loss_chunks: int | None = None, dynamic: bool = True,
+            regions: bool = False) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -226,6 +228,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     call's time at 2 layers and 0.64x at 16 (docs/compile_time.md), but a full compile per
     distinct length, so for training at a fixed length (``autosp train`` does).
 
+    ``regions`` (experimental): compile each class of alike decoder layers once
+    (autosp.outline: PyTorch's ``invoke_subgraph`` after the SP rewrite), so that compile time
+    stops growing with depth; remat is then decided per layer class, not per layer.
+    ``SequenceParallelModule.last_compile.outlined`` says which layers call which subgraph.
+
     ``tile_mlp``: run each row-wise block (an MLP or SwiGLU: linears and elementwise ops whose
     intermediates nothing else reads) a chunk of tokens at a time, recomputing each chunk in
     backward, so that one chunk's ``[tokens, ffn]`` intermediates exist at a time
@@ -243,11 +250,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     _check_unsupported(unsupported)
     # With remat='auto' the chunks are the tiled loss's if auto turns it on.
     _check_flags(loss_chunks, tile_loss=tile_loss or auto is not None, tile_mlp=tile_mlp,
-                 dynamic=dynamic)
+                 dynamic=dynamic, regions=regions)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, auto or remat, backend, remat_report, outputs, unsupported,
-                               tile_loss, tile_mlp, loss_chunks, dynamic)
+                               tile_loss, tile_mlp, loss_chunks, dynamic, regions)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     shard.check_not_fsdp2(model)
     if shard.is_sharded(model):

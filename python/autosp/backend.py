@@ -55,6 +55,9 @@ class CompileRecord:
     mlp_tiling: list[str] = field(default_factory=list)
     # With dynamic=False: the graph compiled per input shape (autosp.specialize), else None.
     per_shape: Any = None
+    # With regions=True: per decoder layer, the subgraph it calls or why it stays inline
+    # (autosp.outline).
+    outlined: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -115,7 +118,8 @@ class SequenceParallelBackend:
                  remat: Any = "sequence-aware", backend: str = "inductor", fuse_qkv: bool = True,
                  remat_report: Any = None, gather_outputs: bool = True,
                  gather_unsupported: bool = True, tile_loss: bool = False,
-                 tile_mlp: bool = False, loss_chunks: int = 0, dynamic: bool = True) -> None:
+                 tile_mlp: bool = False, loss_chunks: int = 0, dynamic: bool = True,
+                 regions: bool = False) -> None:
         if backend not in BACKENDS:
             raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)
@@ -129,6 +133,7 @@ class SequenceParallelBackend:
         self.tile_mlp = tile_mlp
         self.loss_chunks = loss_chunks
         self.dynamic = dynamic
+        self.regions = regions
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
 
@@ -202,6 +207,13 @@ class SequenceParallelBackend:
                 rec.example_inputs = list(example_inputs)
                 rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False),
                                         time.perf_counter() - t2))
+            if self.regions:
+                with stage("outline"):
+                    from autosp.outline import outline_layers
+
+                    rec.outlined = outline_layers(new_gm)
+                    rec.stages.append(Stage("outlined", new_gm.print_readable(
+                        print_output=False), 0.0))
         finally:
             self._dump(rec)
         def compile_fn(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
