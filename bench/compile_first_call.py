@@ -99,20 +99,17 @@ def main() -> None:
     print(f"{'':<22}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
     for which, ((cold, kernels), (warm, _)) in results.items():
         print(f"{which:<22}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")
-    if set(results) != set(CONFIGS):
-        return
-    (c, k), _ = results["autosp-static-regions"]
-    (fc, fk), _ = results["autosp-static"]
-    print(f"regions=True / flat, static S, cold: {c / fc:.2f}x ({k} kernels against {fk})")
-    for mode in ("dynamic", "static"):
-        (c, _), (w, _) = results[f"autosp-{mode}"]
-        (hc, _), (hw, _) = results[f"handwritten-{mode}"]
-        print(f"autosp / hand-written, S {mode}: cold {c / hc:.2f}x, warm {w / hw:.2f}x")
-    (c, _), (w, _) = results["autosp-static"]
-    (hc, _), (hw, _) = results["handwritten-static"]
-    (dc, _), _ = results["autosp-dynamic"]
-    print(f"autosp dynamic=False / autosp dynamic=True, cold: {c / dc:.2f}x")
+    def ratio(a: str, b: str, label: str) -> None:
+        if a in results and b in results:
+            (c, k), (w, _) = results[a]
+            (bc, bk), (bw, _) = results[b]
+            print(f"{label}: cold {c / bc:.2f}x ({k} kernels against {bk}), warm {w / bw:.2f}x")
 
+    ratio("autosp-static-regions", "autosp-static", "regions=True / flat, static S")
+    for mode in ("dynamic", "static"):
+        ratio(f"autosp-{mode}", f"handwritten-{mode}", f"autosp / hand-written, S {mode}")
+    ratio("autosp-static-regions", "handwritten-static", "autosp regions=True / hand-written, S static")
+    ratio("autosp-static", "autosp-dynamic", "autosp dynamic=False / dynamic=True")
 
 if __name__ == "__main__":
     main()

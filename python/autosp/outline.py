@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autosp.bridge import _is_inplace
 from autosp.remat_facts import _layer_of
 
 #: Ops whose result may share its operand's storage: a region may not hand one on.
@@ -75,8 +76,7 @@ class _Region:
         for n in self.nodes:
             if n.op not in ("call_function", "call_method", "call_module"):
                 return f"it has a {n.op} node {n.name}"
-            name = _name(n)
-            if name.endswith("_") and not name.startswith("_") or "inplace" in str(n.kwargs):
+            if _is_inplace(n):
                 return f"it writes in place ({n.name})"
         for a in self.operands:
             if _operand_kind(a) is None:
@@ -109,41 +109,91 @@ class _Region:
         return ops, kinds, outs
 
 
-def _regions(gm: fx.GraphModule) -> tuple[list[_Region], list[str]]:
-    """The graph's layers as regions (each a contiguous run of nodes of one layer)."""
+#: Ops that draw random numbers without saying so to ``Node.is_impure`` (it knows torch.rand and
+#: friends): moving one past another draw would change which numbers each gets.
+_RANDOM = {"dropout", "sharded_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+           "dropout2d", "dropout3d", "rrelu", "fused_dropout", "native_dropout"}
+
+
+def _movable(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if _is_inplace(node) or _name(node) in _RANDOM:
+        return False
+    try:
+        return not node.is_impure()
+    except Exception:  # a call_module the purity check cannot resolve
+        return False
+
+
+def _numbered_layers(graph: fx.Graph) -> dict[str, list[fx.Node]]:
     cache: dict[str, str] = {}
-    runs: list[tuple[str, list[fx.Node]]] = []
-    for n in gm.graph.nodes:
-        layer = _layer_of(n, cache) if n.op in ("call_function", "call_method", "call_module") else ""
-        numbered = layer.rpartition(".")[2].isdigit()
-        if runs and runs[-1][0] == layer and numbered:
-            runs[-1][1].append(n)
-        else:
-            runs.append((layer if numbered else "", [n]))
-    # Nodes of no layer between two runs of one layer (sizes, inserted SP glue) join it.
-    merged: list[tuple[str, list[fx.Node]]] = []
-    for layer, nodes in runs:
-        if (layer and len(merged) >= 2 and merged[-2][0] == layer and not merged[-1][0]
-                and all(n.op == "call_function" or n.op == "call_method" for n in merged[-1][1])):
-            gap = merged.pop()[1]
-            merged[-1][1].extend(gap + nodes)
-        elif layer and merged and merged[-1][0] == layer:
-            merged[-1][1].extend(nodes)
-        else:
-            merged.append((layer, list(nodes)))
-    runs = merged
+    layers: dict[str, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            layer = _layer_of(n, cache)
+            if layer.rpartition(".")[2].isdigit():
+                layers.setdefault(layer, []).append(n)
+    return layers
+
+
+def _gather(graph: fx.Graph, layer: str, members: list[fx.Node],
+            tag: dict[fx.Node, str]) -> tuple[list[fx.Node], str]:
+    """Makes one layer's nodes a contiguous run, in place. Between its first and last node,
+    what lies on a path between two of its nodes (SP glue without a module), or is read by it
+    alone (an inserted size), joins it; what else it does not depend on moves before it (the
+    rotary table); what depends on it but feeds none of it moves after it. Returns the run, or why there is none."""
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    span = order[pos[members[0]]: pos[members[-1]] + 1]
+    mset = set(members)
+    down: set[fx.Node] = set()
+    for n in span:
+        if n in mset or any(a in down for a in n.all_input_nodes):
+            down.add(n)
+    up: set[fx.Node] = set()
+    for n in reversed(span):
+        if n in mset or any(u in up for u in n.users):
+            up.add(n)
+    inside = {n for n in span if n in down and n in up}
+    for n in reversed(span):  # what only the layer reads (an inserted size) joins it
+        if n not in down and n.users and all(u in inside for u in n.users) and _movable(n):
+            inside.add(n)
+    run = [n for n in span if n in inside]
+    for n in run:
+        other = tag.get(n, layer)
+        if other != layer:
+            return [], f"its nodes are interleaved with {other}'s ({n.name})"
+    before = [n for n in span if n not in down and n not in inside]
+    after = [n for n in span if n in down and n not in up]
+    if not before and not after:
+        return run, ""
+    stuck = next((n for n in before + after if not _movable(n)), None)
+    if stuck is not None:
+        return [], (f"its nodes are not one contiguous run, and {stuck.name} between them "
+                    "may not move (it writes in place or draws random numbers)")
+    anchor = order[pos[members[-1]] + 1]
+    for n in before + run + after:
+        anchor.prepend(n)
+    return run, ""
+
+
+def _regions(gm: fx.GraphModule) -> tuple[list[_Region], list[str]]:
+    """The graph's numbered layers as regions, each made one contiguous run of nodes."""
+    layers = _numbered_layers(gm.graph)
+    tag = {n: layer for layer, nodes in layers.items() for n in nodes}
     skipped: list[str] = []
-    seen: set[str] = set()
     regions = []
-    for layer, nodes in runs:
-        if not layer:
-            continue
-        if layer in seen:
-            skipped.append(f"{layer}: not outlined: its nodes are not one contiguous run")
-            regions = [r for r in regions if r.layer != layer]
-            continue
-        seen.add(layer)
-        regions.append(_Region(layer, nodes))
+    for layer, members in layers.items():
+        run, why = _gather(gm.graph, layer, members, tag)
+        if why:
+            skipped.append(f"{layer}: not outlined: {why}")
+        else:
+            regions.append(_Region(layer, run))
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for r in regions:  # a later layer's moves may not split an earlier run
+        if not r.why_not and pos[r.nodes[-1]] - pos[r.nodes[0]] != len(r.nodes) - 1:
+            r.why_not, r.key = "its nodes are not one contiguous run", None
     return regions, skipped
 
 
