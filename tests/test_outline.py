@@ -113,3 +113,78 @@ def test_layer_that_cannot_be_gathered_stays_inline(interloper: str, why: str) -
     result = gm(*[a.clone() for a in args])
     if interloper != "random":
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+def _fake_rank_compiles(backend: str, runs: list[bool]) -> list[dict[str, Any]]:
+    """Rank 0 of 2 against a fake process group (collectives allocate, do not communicate): the
+    reference Llama with 3 layers compiled once per entry of ``runs`` (regions on or off), with
+    one fresh Inductor cache directory and Dynamo reset in between (what a second process with
+    the same model finds). Per run: the report's graphs, AOTAutograd's cache counters, and which
+    layers call a subgraph."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+    from autosp.remat_policy import RematReport
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autosp-regions-cache-")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    mesh = autosp.init_mesh(2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(0))
+    out = []
+    for regions in runs:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        report = RematReport()
+        compiled = autosp.compile(LlamaForCausalLM(cfg), mesh=mesh, check_inputs="never",
+                                  backend=backend, regions=regions, remat="default",
+                                  remat_report=report)
+        compiled(ids, ids).backward()
+        out.append({"graphs": [(g.model_flops, g.calls, g.saved_bytes) for g in report.graphs],
+                    "saved_bytes": report.saved_bytes, "cache": dict(counters["aot_autograd"]),
+                    "outlined": compiled.last_compile.outlined})
+    return out
+
+
+def _in_fresh_process(fn: Any, *args: Any) -> Any:
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=600)
+
+
+@pytest.mark.slow  # 20-30 s on 2 cores: two aot_eager compiles
+def test_report_counts_every_call_of_a_region() -> None:
+    """With regions, a layer's graph is partitioned once: its report says it is called 3 times,
+    and the report of the graph calling it (the last, which autosp train's MFU reads) has the
+    flat compile's model FLOPs, its saved values counted once."""
+    flat, outlined = _in_fresh_process(_fake_rank_compiles, "aot_eager", [False, True])
+    assert outlined["outlined"] == [f"layers.{i}: calls autosp_layer_0" for i in range(3)]
+    (flops, calls, _), = flat["graphs"]
+    (region_flops, region_calls, _), (outer_flops, outer_calls, outer_saved) = outlined["graphs"]
+    assert (calls, region_calls, outer_calls) == (0, 3, 0)
+    assert outer_flops == flops and 0 < 3 * region_flops < flops, (flat, outlined)
+    assert outlined["saved_bytes"] == outer_saved
+
+
+@pytest.mark.slow  # 40 s on 2 cores: an Inductor compile, cold then warm
+def test_regions_hit_aot_autograds_cache_in_a_second_process() -> None:
+    """Inductor, regions on: the second compile of the same model (Dynamo reset, same cache
+    directory) hits AOTAutograd's cache for the whole graph, region included, bypasses
+    nothing, and reads back the same report."""
+    cold, warm = _in_fresh_process(_fake_rank_compiles, "inductor", [True, True])
+    assert cold["cache"].get("autograd_cache_miss") == 1, cold["cache"]
+    assert cold["cache"].get("autograd_cache_saved") == 1, cold["cache"]
+    assert warm["cache"].get("autograd_cache_hit") == 1, warm["cache"]
+    assert not warm["cache"].get("autograd_cache_bypass"), warm["cache"]
+    assert warm["graphs"] == cold["graphs"] and cold["graphs"][0][1] == 3, (cold, warm)

@@ -4,10 +4,12 @@ own extraction, and reports what it decided."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from autosp import _core
@@ -170,9 +172,38 @@ def _partition_graphs(
         bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
 
     if report is not None:
-        report.graphs.append(_graph_report(policy, solution, facts, solve_seconds, offload_copies,
-                                           offloaded_bytes))
+        graph_report = _graph_report(policy, solution, facts, solve_seconds, offload_copies,
+                                     offloaded_bytes)
+        report.graphs.append(_count_regions(report, joint_module, graph_report))
+        report.forwards[fw_module] = report.graphs[-1]
     return fw_module, bw_module
+
+
+def _count_regions(report: RematReport, joint_module: fx.GraphModule,
+                   graph_report: GraphRematReport) -> GraphRematReport:
+    """With regions (autosp.outline), the report of a graph that calls region graphs: their
+    model, recompute and attention FLOPs are added once per forward call, and each region's
+    report records its number of calls. The saved values of the regions are already the
+    enclosing graph's (the forward calls return them)."""
+    calls: dict[int, list[Any]] = {}
+    for n in joint_module.graph.nodes:
+        if n.target is torch.ops.higher_order.invoke_subgraph and isinstance(n.args[0], fx.Node):
+            module = getattr(joint_module, str(n.args[0].target), None)
+            region = report.forwards.get(module)
+            if region is not None:
+                calls.setdefault(id(region), [region, 0, module])[1] += 1
+    if not calls:
+        return graph_report
+    for region, count, module in calls.values():
+        i = next(i for i, g in enumerate(report.graphs) if g is region)
+        report.graphs[i] = report.forwards[module] = dataclasses.replace(region, calls=count)
+    return dataclasses.replace(
+        graph_report,
+        model_flops=graph_report.model_flops + sum(r.model_flops * c for r, c, _ in calls.values()),
+        recompute_flops=graph_report.recompute_flops
+        + sum(r.recompute_flops * c for r, c, _ in calls.values()),
+        attention_flops=graph_report.attention_flops
+        + sum(r.attention_flops * c for r, c, _ in calls.values()))
 
 
 def _offload(fw_module: fx.GraphModule, bw_module: fx.GraphModule, names: list[str],

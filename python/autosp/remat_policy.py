@@ -4,6 +4,7 @@ Re-exported by ``autosp.remat``."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -178,6 +179,10 @@ class GraphRematReport:
     # non-contiguous values, which the pass skips (a warning says when nothing is offloaded).
     offloaded_bytes: int = 0
     offload_copies: int = 0
+    # With regions=True (autosp.outline): a region's graph, partitioned once, is called this
+    # many times by the enclosing graph, whose report counts its FLOPs once per call and its
+    # saved values among its own. 0 for a graph that is not a region.
+    calls: int = 0
 
     def saved(self) -> list[NodeRemat]:
         return [n for n in self.nodes if n.fate == "saved"]
@@ -194,6 +199,7 @@ class GraphRematReport:
             f"{self.attention_flops / 1e9:.3f} GFLOP); solved in "
             f"{self.solve_seconds * 1e3:.1f} ms on {self.flow_vertices} vertices / "
             f"{self.flow_edges} edges"
+            + (f"; a region, called {self.calls} times per step" if self.calls else "")
             + (f"; offloads {self.offloaded_bytes / mib:.2f} MiB to host in "
                f"{self.offload_copies} copies" if self.offloaded_bytes else ""),
             f"{'layer':<24} {'saved':>6} {'saved MiB':>10} {'recomp':>7} "
@@ -213,10 +219,14 @@ class RematReport:
     """Collects a :class:`GraphRematReport` for every joint graph partitioned with it."""
 
     graphs: list[GraphRematReport] = field(default_factory=list)
+    # The forward module each report's partition returned, while it lives: an enclosing graph's
+    # invoke_subgraph calls name it (autosp.remat_partition).
+    forwards: Any = field(default_factory=weakref.WeakKeyDictionary, repr=False, compare=False)
 
     @property
     def saved_bytes(self) -> int:
-        return sum(g.saved_bytes for g in self.graphs)
+        """Saved bytes of every graph; a region's are counted by the graph that calls it."""
+        return sum(g.saved_bytes for g in self.graphs if not g.calls)
 
     def __str__(self) -> str:
         if not self.graphs:
