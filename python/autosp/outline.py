@@ -49,8 +49,8 @@ def _value(node: fx.Node) -> Any:
 
 def _operand_kind(node: fx.Node) -> Any:
     v = _value(node)
-    if isinstance(v, torch.Tensor):
-        return ("tensor", v.dtype, v.dim(), v.requires_grad)
+    if isinstance(v, torch.Tensor):  # a subgraph is traced once, with its first call's shapes
+        return ("tensor", v.dtype, tuple(str(d) for d in v.shape), v.requires_grad)
     if isinstance(v, torch.SymInt):
         return ("symint",)
     return None
@@ -215,13 +215,15 @@ def outline_layers(gm: fx.GraphModule) -> list[str]:
             lines.append(f"{members[0].layer}: not outlined: no other layer is alike")
             continue
         name = f"autosp_layer_{k}"
-        gm.add_submodule(name, _subgraph(gm, members[0]))
-        for r in members:
+        for i, r in enumerate(members):
+            # An operand may be an output of a layer replaced before (its getitem now).
+            r.operands = [replaced.get(a, a) for a in r.operands]
+            if i == 0:
+                gm.add_submodule(name, _subgraph(gm, r))
             with graph.inserting_before(r.nodes[0]):
                 attr = graph.get_attr(name)
-                operands = [replaced.get(a, a) for a in r.operands]
                 call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
-                                           (attr, name, *operands))
+                                           (attr, name, *r.operands))
                 for i, o in enumerate(r.outputs):
                     item = graph.call_function(operator.getitem, (call, i))
                     item.meta.update(o.meta)

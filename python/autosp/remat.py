@@ -202,8 +202,15 @@ def compile_joint(
     training = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
     key = report_key(gm, partitioner.uuid()) if report is not None and training else None
+    # With regions (autosp.outline), Inductor's reuse of a dead buffer's memory for a new one
+    # gave wrong gradients to every layer but the last (measured: torch 2.13, CPU; remat none or
+    # sequence-aware, tiled loss or not): the values a region returns for its backward may
+    # share storage with what the calling graph sees die. Off for a graph with regions; each
+    # buffer is still freed when it dies.
+    outlined = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     with inductor_config.patch(custom_partitioner_fn=partitioner,
-                               unsafe_marked_cacheable_functions=cacheable):
+                               unsafe_marked_cacheable_functions=cacheable,
+                               **({"allow_buffer_reuse": False} if outlined else {})):
         before = len(report.graphs) if report is not None else 0
         compiled = compile_fx(gm, example_inputs)
     if key is None:
