@@ -66,6 +66,7 @@ def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"loss did not decrease over 3 AdamW steps: {losses}"
     assert re.search(r"^check: first-step loss .*: OK$", proc.stdout, re.M), output
+    assert re.search(r"^check: first-step gradient norm .*: OK$", proc.stdout, re.M), output
     assert ("sharded over all ranks" in proc.stdout) == (variant == "hf-toml-fsdp"), output
     assert ("remat budget 0.0003 GiB" in proc.stdout) == (variant == "hf-toml-fsdp"), output
     # The metrics file: one record per step with every field, the printed losses.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from typing import Any
 from pathlib import Path
 
@@ -315,3 +316,28 @@ def test_loss_chunks_settings_are_checked() -> None:
         autosp.plan("llama-3.2-1b", strategies=["ulysses+default"], loss_chunks=7)
     with pytest.raises(AutospError, match=r"\[plan\] found loss_chunks=2147483648; expected"):
         autosp.plan("llama-3.2-1b", loss_chunks=2**31)
+
+
+def test_check_compares_the_first_steps_gradient_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """--check compares the norm of the first step's gradient with one device's (dp 2, two
+    micro-batches each, weighted by their targets as the step weighs them): a step whose loss is
+    right but whose gradient is 1% off fails. (With regions=True and Inductor's buffer reuse,
+    the loss was exact and the gradient norm 0.4% off; only this catches it.)"""
+    from autosp.train import loop
+    from autosp.train.config import TrainConfig
+    from autosp.train.data import Batches
+
+    cfg = TrainConfig()
+    cfg.data.source = "sample"
+    cfg.training.seq_len, cfg.training.batch_size, cfg.training.grad_accum = 32, 2, 2
+    batches = Batches(cfg.data, 32, 2, 2, 2, cfg.training.seed)
+    assert loop._check_first_step(cfg, batches, 0.0, None, 2) == 1  # a wrong loss alone
+    out = capsys.readouterr().out
+    loss = float(re.search(r"single-device (\S+)", out).group(1))
+    assert loop._check_first_step(cfg, batches, loss, 1.0, 2) == 1
+    out = capsys.readouterr().out
+    norm = float(re.search(r"gradient norm sp \S+ single-device (\S+)", out).group(1))
+    assert "first-step loss" in out and ": OK" in out.splitlines()[0], out
+    assert loop._check_first_step(cfg, batches, loss, norm, 2) == 0
+    assert loop._check_first_step(cfg, batches, loss, norm * 1.01, 2) == 1
+    assert "gradient norm" in capsys.readouterr().out

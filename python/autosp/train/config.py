@@ -106,8 +106,8 @@ class TrainingConfig:
     regions: bool = _f(False, "compile each class of alike decoder layers once (autosp.compile("
                               "regions=True; experimental): the first step's compile stops "
                               "growing with depth; exact")
-    check: bool = _f(False, "at the end, compare the first step's loss with the plain model on one "
-                            "device (exit 1 on mismatch)")
+    check: bool = _f(False, "at the end, compare the first step's loss and the norm of its "
+                            "gradient with the plain model on one device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")
 
 

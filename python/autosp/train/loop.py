@@ -184,6 +184,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     step_flops = 0.0  # the step's model FLOPs over all ranks, known after the first compile
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dp_size
     first_loss: float | None = None
+    first_grad_norm: float | None = None
     status = 0
     preemption = _Preemption()
     peak = torch.zeros(1, dtype=torch.float64)
@@ -211,6 +212,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
                 first_loss = loss.detach().float().item()
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if first_grad_norm is None and rank == 0:  # before clipping: the step's own gradient
+            first_grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                                    else grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -274,7 +278,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               flush=True)
     if t.check and status == 0 and start == 0:
         if rank == 0 and first_loss is not None:
-            status = _check_first_step(cfg, batches, first_loss, dp_rank)
+            status = _check_first_step(cfg, batches, first_loss, first_grad_norm, dp_size)
         # Rank 0 may fail the check; every rank exits with its status.
         flag = torch.tensor([status], device=device)
         dist.broadcast(flag, src=0)
@@ -285,22 +289,45 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
 # bf16 keeps 8 bits of mantissa: SP and one device sum in other orders, so the bf16 check
 # allows this relative difference (measured: about 1e-3 on the test models).
 BF16_CHECK_RTOL = 1e-2
+# fp32: SP and one device sum the gradient in other orders (measured: about 1e-7 relative).
+GRAD_CHECK_RTOL = 1e-4
 
 
-def _check_first_step(cfg: TrainConfig, batches: Batches, sp_loss: float, dp_rank: int) -> int:
-    """The first micro-batch's loss against the plain model on one device (CPU), in the run's
-    dtype: within training.check_atol in fp32, within BF16_CHECK_RTOL relative in bf16."""
+def _check_first_step(cfg: TrainConfig, batches: Batches, sp_loss: float,
+                      sp_grad_norm: float | None, dp_size: int) -> int:
+    """The first step against the plain model on one device (CPU), in the run's dtype: the
+    first micro-batch's loss within training.check_atol (fp32) or BF16_CHECK_RTOL relative
+    (bf16), and the norm of the step's gradient (every dp group's micro-batches, each mean loss
+    weighted by its share of the step's targets, as the step weighs them) within
+    GRAD_CHECK_RTOL (fp32) or BF16_CHECK_RTOL relative. A wrong gradient with a right loss is
+    what the second catches."""
     t = cfg.training
     model, vocab = build_model(cfg.model, t.seed, batches.vocab_size)
     bf16 = cfg.model.dtype == "bfloat16"
     if bf16:
         model = model.to(torch.bfloat16)
-    with torch.no_grad():
-        ref_loss = model(*batches.micro_batch(0, 0, dp_rank, vocab)).float().item()
+    micro = [batches.micro_batch(0, m, d, vocab) for d in range(dp_size)
+             for m in range(t.grad_accum)]
+    counts = [target_count(a) for a in micro]
+    ref_loss = None
+    for args, count in zip(micro, counts):
+        loss = model(*(args if count else with_one_target(args)))
+        ref_loss = loss.detach().float().item() if ref_loss is None else ref_loss
+        (loss * (count / sum(counts))).backward()
     diff = abs(sp_loss - ref_loss)
     tol = max(t.check_atol, BF16_CHECK_RTOL * abs(ref_loss)) if bf16 else t.check_atol
     ok = diff <= tol
     print(f"check: first-step loss sp {sp_loss:.8f} single-device{' (bf16)' if bf16 else ''} "
           f"{ref_loss:.8f} |diff| {diff:.3e} {'<=' if ok else '>'} {tol:.0e}: "
           f"{'OK' if ok else 'MISMATCH'}", flush=True)
+    if sp_grad_norm is not None:
+        ref_norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None]).float().item()
+        rel = abs(sp_grad_norm - ref_norm) / max(ref_norm, 1e-30)
+        rtol = BF16_CHECK_RTOL if bf16 else GRAD_CHECK_RTOL
+        grad_ok = rel <= rtol
+        print(f"check: first-step gradient norm sp {sp_grad_norm:.8f} single-device "
+              f"{ref_norm:.8f} relative diff {rel:.3e} {'<=' if grad_ok else '>'} {rtol:.0e}: "
+              f"{'OK' if grad_ok else 'MISMATCH'}", flush=True)
+        ok = ok and grad_ok
     return 0 if ok else 1
