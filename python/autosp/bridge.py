@@ -93,13 +93,16 @@ def _target_text(node: fx.Node) -> str:
 
 
 _SOURCE_KEY = re.compile(r"""\[['"]?([^'"\]]+)['"]?\]""")
-_SOURCE_ROOT = re.compile(r"""^[LG]\[['"]?\w+['"]?\]""")
+# The root local, and the index into it when the module came in through ``*args`` (a
+# decorator over ``forward``, as transformers puts on its models: ``L['args'][0].model...``).
+_SOURCE_ROOT = re.compile(r"""^[LG]\[['"]?(?:args['"]?\]\[\d+\]|\w+['"]?\])""")
 
 
 def dotted_path(name: str) -> str:
     """A Dynamo source or module-stack path as a dotted path in the user's module:
     ``L['self']._modules['layers']._modules['3']._parameters['weight']`` -> ``layers.3.weight``,
-    ``L['self'].layers[3].self_attn`` -> ``layers.3.self_attn``."""
+    ``L['self'].layers[3].self_attn`` -> ``layers.3.self_attn``, and
+    ``L['args'][0].model.layers[3]`` -> ``model.layers.3`` (a module passed as ``*args``)."""
     name = _SOURCE_ROOT.sub("", name)
     name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
     name = _SOURCE_KEY.sub(r".\1", name)

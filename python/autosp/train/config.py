@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             extra["const"] = True
         group.add_argument(*names, dest=f"override:{section}.{f.name}", type=kind,
                            default=argparse.SUPPRESS, choices=f.metadata.get("choices"),
-                           help=f"{f.metadata['help']} (default: {f.default!r})", **extra)
+                           help=f"{f.metadata['help']} (default: {f.default!r})".replace("%", "%%"), **extra)
 
 
 def overrides_of(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
