@@ -1,16 +1,19 @@
 """Compiling a decoder layer once (``autosp.compile(..., regions=True)``, experimental).
 
 After the SP rewrite, the layers of the applied graph that are node for node alike (same ops,
-same constants, same wiring, operands of the same kinds) are each replaced by a call of
+same constants, same wiring, operands of the same kinds and shapes) are each replaced by a call of
 PyTorch's ``invoke_subgraph`` higher-order op on one shared subgraph. AOTAutograd then traces
 and partitions that subgraph once (with autosp's partition function, on the region's own joint
 graph), and Inductor lowers and generates its kernels once, so the compile's work stops growing
 with depth (docs/regional_compile.md).
 
-A layer stays inline, with the reason recorded, when it is not one contiguous run of nodes, when
-an operand is neither a tensor nor a symbolic int, when it reads a module attribute, writes in
-place, or hands on a value that may alias an operand (a view, ``view_as``, a collective's wait):
-PyTorch assumes a region's outputs alias nothing, and checks none of it.
+A layer's nodes are first gathered into one contiguous run (``_gather``). It stays inline, with
+the reason recorded, when that would move a node that writes in place or draws random numbers,
+when its nodes are interleaved with another layer's, when an operand is neither a tensor nor a
+symbolic int, when it reads a module attribute, writes in place, or hands on a value that may
+alias an operand (a view, ``view_as``, a collective's wait): PyTorch assumes a region's outputs
+alias nothing, and checks none of it. The compile of a graph with regions turns off Inductor's
+buffer reuse (autosp.remat.compile_joint), which that assumption broke.
 
 Remat decisions are then made per region, not per layer: every outlined layer saves what one
 layer saves when solved alone. That is exact, but it is not what the flat solve of
