@@ -16,7 +16,9 @@ Configurations: autosp.compile with ``dynamic=True`` (one graph for every S) and
 ``dynamic=False`` (planned on the symbolic trace, compiled for the call's static S); the
 hand-written Ulysses model (bench/ulysses_handwritten.py) under plain ``torch.compile`` with S
 static (torch.compile's default for an unmarked input) and with S marked dynamic. Ratios are
-printed against the hand-written model in the same mode.
+printed against the hand-written model in the same mode. ``autosp-static-regions`` has Dynamo trace each class of
+layers once (autosp.dynamo_regions, PyTorch 2.13 and later); ``autosp-static-regions-every-layer``
+is the same compile with Dynamo tracing every layer.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import tempfile
 import time
 
 CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
-           "autosp-static-regions")
+           "autosp-static-regions", "autosp-static-regions-every-layer")
 
 
 def _child(which: str, layers: int, seq: int, sp: int) -> None:
@@ -52,10 +54,14 @@ def _child(which: str, layers: int, seq: int, sp: int) -> None:
     model = LlamaForCausalLM(cfg)
     start = time.perf_counter()
     if which.startswith("autosp"):
+        if which.endswith("-every-layer"):  # regions, but Dynamo traces every layer
+            import autosp.dynamo_regions
+
+            autosp.dynamo_regions.reuse_supported = lambda: False
         mesh = autosp.init_mesh(sp)
         compiled = autosp.compile(model, mesh=mesh, check_inputs="never",
                                   dynamic=which == "autosp-dynamic",
-                                  regions=which.endswith("-regions"))
+                                  regions="-regions" in which)
         compiled(ids, ids).backward()
     else:
         hand = UlyssesLlamaForCausalLM.from_model(model)
@@ -106,6 +112,8 @@ def main() -> None:
             print(f"{label}: cold {c / bc:.2f}x ({k} kernels against {bk}), warm {w / bw:.2f}x")
 
     ratio("autosp-static-regions", "autosp-static", "regions=True / flat, static S")
+    ratio("autosp-static-regions", "autosp-static-regions-every-layer",
+          "regions=True, Dynamo tracing a layer once / every layer")
     for mode in ("dynamic", "static"):
         ratio(f"autosp-{mode}", f"handwritten-{mode}", f"autosp / hand-written, S {mode}")
     ratio("autosp-static-regions", "handwritten-static", "autosp regions=True / hand-written, S static")

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from autosp import dynamo_regions
 from distributed import assert_step_exact, make_batch, run_ranks, step_against_reference, tiny_config
 
 
@@ -25,6 +26,7 @@ def _worker(rank: int, world: int, backend: str, remat: str, layers: int = 4, se
     out = step_against_reference(model, compiled, ids, labels)
     rec = compiled.last_compile
     out["outlined"] = rec.outlined
+    out["traced_once"] = (compiled.traced_once, rec.traced_once)
     gm = rec.graph_module
     out["calls"] = sum(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     out["subgraphs"] = sorted(name for name, _ in gm.named_children() if name.startswith("autosp_layer"))
@@ -42,6 +44,8 @@ def test_alike_layers_call_one_subgraph_and_stay_exact(backend: str, remat: str)
         assert r["outlined"] == [f"layers.{i}: calls autosp_layer_0" for i in range(4)], \
             r["outlined"]
         assert r["calls"] == 4 and r["subgraphs"] == ["autosp_layer_0"], (r["calls"], r["subgraphs"])
+        if dynamo_regions.reuse_supported():  # Dynamo traced one layer, stamped out the others
+            assert r["traced_once"] == ([f"layers.{i}" for i in range(4)], 4), r["traced_once"]
 
 
 @pytest.mark.slow  # 60 s each on 2 cores

@@ -20,6 +20,7 @@ from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
 from autosp.decompose import decompose_composites
+from autosp.dynamo_regions import inline_regions
 from autosp.errors import AutospError, AutospGatherWarning, stage
 from autosp.remat_policy import AUTO, BACKENDS, MemoryBudget, Offload  # names defined once
 from autosp.specialize import PerShapeCompiled
@@ -58,6 +59,9 @@ class CompileRecord:
     # With regions=True: per decoder layer, the subgraph it calls or why it stays inline
     # (autosp.outline).
     outlined: list[str] = field(default_factory=list)
+    # Calls of layers Dynamo traced once and stamped out (regions=True; autosp.dynamo_regions),
+    # inlined back before the bridge.
+    traced_once: int = 0
 
     def stage(self, name: str) -> str:
         for s in self.stages:
@@ -169,6 +173,8 @@ class SequenceParallelBackend:
         t0 = time.perf_counter()
         rec.stages.append(Stage("dynamo", gm.print_readable(print_output=False), 0.0))
         try:  # dump what was produced, also when a stage fails (AUTOSP_DUMP_DIR)
+            with stage("inline"):  # layers Dynamo traced once (autosp.dynamo_regions)
+                rec.traced_once = inline_regions(gm)
             with stage("decompose"):
                 rec.decomposed = decompose_composites(gm)
                 if rec.decomposed:

@@ -102,8 +102,10 @@ def dotted_path(name: str) -> str:
     """A Dynamo source or module-stack path as a dotted path in the user's module:
     ``L['self']._modules['layers']._modules['3']._parameters['weight']`` -> ``layers.3.weight``,
     ``L['self'].layers[3].self_attn`` -> ``layers.3.self_attn``, and
-    ``L['args'][0].model.layers[3]`` -> ``model.layers.3`` (a module passed as ``*args``)."""
-    name = _SOURCE_ROOT.sub("", name)
+    ``L['args'][0].model.layers[3]`` -> ``model.layers.3`` (a module passed as ``*args``), and
+    ``L['self'].layers.3.forward.__self__.mlp`` -> ``layers.3.mlp`` (inside a nested compile
+    region, autosp.dynamo_regions)."""
+    name = _SOURCE_ROOT.sub("", name).replace(".forward.__self__", "")
     name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
     name = _SOURCE_KEY.sub(r".\1", name)
     return ".".join(part for part in name.split(".") if part)

@@ -140,6 +140,7 @@ def capture_joints(
     from autosp.apply import RankContext, apply_plan
     from autosp.bridge import fx_to_core
     from autosp.decompose import decompose_composites
+    from autosp.dynamo_regions import inline_regions
 
     results: list[tuple[Any, Any, int, Any, set[int]]] = []
     captured: dict[str, Any] = {}
@@ -164,7 +165,8 @@ def capture_joints(
             for i, x in enumerate(example_inputs)
             if isinstance(x, torch.nn.Parameter)
         }
-        decompose_composites(gm)  # as the backend does before its plan
+        inline_regions(gm)  # as the backend does before its plan
+        decompose_composites(gm)
         for tile_loss, tile_mlp in variants:
             applied = gm
             if sp_size > 1 or tile_loss or tile_mlp:

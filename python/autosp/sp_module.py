@@ -6,13 +6,14 @@ from capture and compilation become AutospErrors. Re-exported by ``autosp.api``.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp import guard
+from autosp import dynamo_regions, guard, shard
 from autosp.backend import SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 
@@ -94,6 +95,11 @@ class SequenceParallelModule(nn.Module):
         # under "module." as with DistributedDataParallel.
         object.__setattr__(self, "_compiled",
                            torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False))
+        # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions);
+        # not for FSDP2-sharded layers (DTensor operands).
+        self.traced_once: list[str] = []
+        if getattr(sp_backend, "regions", False) and not shard.is_sharded(model):
+            self.traced_once = dynamo_regions.mark_layers(model)
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
         self.remat_choice: Any = None  # what remat="auto" chose (autosp.remat_auto.AutoChoice)
         self._dp_hooks = []
@@ -186,6 +192,8 @@ class SequenceParallelModule(nn.Module):
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+            if isinstance(inner, dynamo_regions.RegionReuseError) and self.traced_once:
+                return self._trace_every_layer(str(inner), args, kwargs)
             if isinstance(inner, AutospError):
                 raise inner.with_traceback(None) from inner.__cause__
             raise internal_error("compile", inner) from inner
@@ -193,6 +201,9 @@ class SequenceParallelModule(nn.Module):
             raise self._recompile_error(leaves) from e
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             text = str(e)
+            if self.traced_once:
+                return self._trace_every_layer(text.splitlines()[0] if text else type(e).__name__,
+                                               args, kwargs)
             if not self._capture_data_dependent and "capture_dynamic_output_shape_ops" in text:
                 # Dynamo stopped at a data-dependent op before anything ran (every rank alike):
                 # capture it, once, and compile again.
@@ -210,6 +221,17 @@ class SequenceParallelModule(nn.Module):
                 f"torch.compile(fullgraph=True) captures whole.{hint} The full Dynamo message "
                 "follows.\n" + text
             ) from None
+
+    def _trace_every_layer(self, why: str, args: tuple, kwargs: dict) -> Any:
+        """Dynamo could not trace the marked layers once per class (autosp.dynamo_regions):
+        unmark them, say so, and compile again tracing every layer (autosp.outline still
+        compiles alike layers once)."""
+        dynamo_regions.unmark_layers(self.module)
+        warnings.warn(f"[autosp:capture] Dynamo could not trace the repeated layers "
+                      f"({', '.join(self.traced_once[:3])}, ...) once per class: {why}; "
+                      "tracing every layer instead.", stacklevel=3)
+        self.traced_once = []
+        return self.forward(*args, **kwargs)
 
     def _recompile_error(self, leaves: list) -> AutospError:
         limit = getattr(torch._dynamo.config, "recompile_limit", None)

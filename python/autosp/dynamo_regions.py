@@ -1,0 +1,269 @@
+"""Dynamo traces a repeated decoder layer once (``autosp.compile(..., regions=True)``).
+
+Without this, Dynamo runs the Python of every decoder layer to capture the model, which is
+most of a warm compile's time and grows with depth. PyTorch (2.13 and later) can trace a
+function marked with ``torch.compiler.nested_compile_region`` once and stamp out later calls
+of it whose inputs match (same shapes, guards re-checked on the new layer's attributes; see
+"invoke_subgraph subgraph reuse" in ``torch/_dynamo/variables/invoke_subgraph.py``).
+
+``mark_layers`` marks the forward of every numbered layer (``layers.3``, ``transformer.h.3``)
+whose class has two or more of them: the layer's class becomes a subclass whose ``forward`` is
+marked (a no-op outside ``torch.compile``; ``unmark_layers`` restores the class; a pickled or
+deep-copied layer is of the user's class).
+Dynamo then hands the backend a graph calling ``invoke_subgraph`` once per layer.
+``inline_regions`` puts each call's nodes back into the calling graph before the bridge, with
+the module paths of the layer that called it, so the SP pass sees the graph it always saw;
+autosp.outline makes the regions again after the SP rewrite.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import importlib.util
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autosp.bridge import dotted_path, module_path
+from autosp.errors import AutospError
+from autosp.remat_facts import layer_of_path
+
+_MARK = "_autosp_marked_from"
+
+
+class RegionReuseError(AutospError):
+    """Dynamo's graph has a layer's call read another layer's parameters: its reuse of a traced
+    layer went wrong. The module traces every layer instead (autosp.sp_module)."""
+
+
+def reuse_supported() -> bool:
+    """Whether this PyTorch's Dynamo reuses a traced nested compile region (2.13 and later);
+    without it every call is traced anyway, so nothing is marked."""
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        return False
+    spec = importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph")
+    if spec is None:
+        return False
+    from torch._dynamo.variables import invoke_subgraph
+
+    return hasattr(invoke_subgraph, "is_reusable")
+
+
+def numbered_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's numbered layers (a path that is its own layer_of_path and ends in a
+    number) whose class has at least two of them, in module order."""
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    for path, mod in model.named_modules():
+        if path and path.rpartition(".")[2].isdigit() and layer_of_path(path) == path:
+            by_class.setdefault(type(mod), []).append((path, mod))
+    return [pm for mods in by_class.values() if len(mods) > 1 for pm in mods]
+
+
+#: The marked subclass of each layer class (one per class, so that Dynamo sees one function).
+_MARKED: dict[type, type] = {}
+
+
+def _reduce_as_unmarked(self: nn.Module, protocol: int) -> Any:
+    """Pickled and deep-copied as the user's class (the marked one is made at run time)."""
+    marked = type(self)
+    self.__class__ = vars(marked)[_MARK]
+    try:
+        reduced = list(self.__reduce_ex__(protocol))
+    finally:
+        self.__class__ = marked
+    if reduced[0] is copyreg.__newobj__:  # pickle checks __newobj__'s class against the object's
+        reduced[0] = object.__new__
+    return tuple(reduced)
+
+
+def _marked_class(cls: type) -> type:
+    sub = _MARKED.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {
+            "forward": torch.compiler.nested_compile_region(cls.forward),
+            "__reduce_ex__": _reduce_as_unmarked,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, _MARK: cls})
+        _MARKED[cls] = sub
+    return sub
+
+
+def mark_layers(model: nn.Module) -> list[str]:
+    """Marks each repeated numbered layer's forward as a nested compile region: the layer's
+    class becomes a subclass of it whose ``forward`` is marked, one per class. (Marking the
+    forward as an instance attribute instead made torch 2.13's Dynamo stamp out every layer
+    with the first layer's weights, silently.) Leaves alone a layer with a forward of its own
+    (an instance attribute) or one already marked. Returns the marked paths."""
+    if not reuse_supported():
+        return []
+    marked = []
+    for path, mod in numbered_layers(model):
+        cls = type(mod)
+        if ("forward" in vars(mod) or hasattr(cls.forward, "__marked_compile_region_fn__")
+                or _MARK in vars(cls)):
+            continue
+        mod.__class__ = _marked_class(cls)
+        marked.append(path)
+    return marked
+
+
+def unmark_layers(model: nn.Module) -> None:
+    """Undoes mark_layers."""
+    for mod in model.modules():
+        original = vars(type(mod)).get(_MARK)
+        if original is not None:
+            mod.__class__ = original
+
+
+def _stack_path(path: str) -> str:
+    return path.replace(".forward.__self__", "")
+
+
+def _unnumbered(path: str) -> str:
+    return re.sub(r"\d+\]?$", "", path)
+
+
+def _remap_stack(stack: dict, site: dict) -> dict:
+    """A subgraph node's module stack as seen from the call ``site``: the call site's own
+    stack (ending with the calling layer), then the subgraph's entries below the layer that
+    was traced, that layer's path prefix replaced by the calling layer's."""
+    if not site:
+        return dict(stack or {})
+    site_key, (site_path, _) = next(reversed(site.items()))
+    out = dict(site)
+    entries = [(k, _stack_path(p), c) for k, (p, c) in (stack or {}).items()]
+    traced = next((i for i, (_, p, _) in enumerate(entries)
+                   if p != _unnumbered(p) and _unnumbered(p) == _unnumbered(site_path)), None)
+    if traced is None:
+        return out
+    traced_path = entries[traced][1]
+    for key, path, cls in entries[traced + 1:]:
+        if path.startswith(traced_path):
+            path = site_path + path[len(traced_path):]
+        out[f"{key}@{site_key}"] = (path, cls)
+    return out
+
+
+def _is_state(node: Any) -> bool:
+    """A placeholder for a parameter or buffer of the model (by Dynamo's source)."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return False
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", "")
+    name = str(name() if callable(name) else name)
+    return "._parameters[" in name or "._buffers[" in name
+
+
+def _size_reads(nodes: list[fx.Node], symbols: dict[Any, fx.Node]) -> None:
+    """Inside a traced region Dynamo reads a size of a tensor the region was handed
+    (``bsz, seq_len, _ = x.shape``) from the tensor, as graph nodes; tracing the whole model, it
+    uses the calling graph's integer or symbol, with no node. Put back the latter, which the SP
+    rewrite and AOTAutograd's trace of a region (a symbolic size made inside one is not tracked
+    in its backward) both expect: an integer as a constant, a symbol as the placeholder holding
+    it. A size that is neither stays a node."""
+    def known(value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, torch.SymInt):
+            return symbols.get(value.node.expr)
+        return None
+
+    for n in nodes:
+        if n.op != "call_method" or n.target != "size":
+            continue
+        value = n.meta.get("example_value")
+        if len(n.args) > 1 or n.kwargs:  # x.size(1)
+            new = known(value)
+            if new is not None:
+                n.replace_all_uses_with(new)
+        else:
+            for user in list(n.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    new = known(user.meta.get("example_value"))
+                    if new is not None:
+                        user.replace_all_uses_with(new)
+                        n.graph.erase_node(user)
+        if not n.users:
+            n.graph.erase_node(n)
+
+
+def _inline_call(gm: fx.GraphModule, call: fx.Node, symbols: dict[Any, fx.Node]) -> list[fx.Node]:
+    sub = getattr(gm, str(call.args[0].target))
+    env: dict[fx.Node, Any] = {}
+    for p, operand in zip(sub.graph.find_nodes(op="placeholder"), call.args[2:]):
+        value = p.meta.get("example_value")
+        env[p] = symbols.get(value.node.expr, operand) if isinstance(value, torch.SymInt) else operand
+    site = call.meta.get("nn_module_stack") or {}
+    copies: list[fx.Node] = []
+    if site:
+        layer = layer_of_path(dotted_path(next(reversed(site.values()))[0]))
+        for a in call.args[2:]:
+            if _is_state(a):
+                other = layer_of_path(module_path(a))
+                if other != layer and other.rpartition(".")[2].isdigit():
+                    raise RegionReuseError(
+                        f"[autosp:capture] found Dynamo's call of the traced layer {layer} "
+                        f"reading {module_path(a)}, another layer's; expected each layer's call "
+                        "to read its own parameters.")
+    with gm.graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n.op == "get_attr":
+                raise NotImplementedError(f"a get_attr ({n.target}) inside a traced region")
+            new = gm.graph.node_copy(n, lambda a: env[a])
+            new.meta = dict(n.meta)
+            if "nn_module_stack" in n.meta or site:
+                new.meta["nn_module_stack"] = _remap_stack(n.meta.get("nn_module_stack"), site)
+            env[n] = new
+            copies.append(new)
+    outs = sub.graph.output_node().args[0]
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(env[outs[user.args[1]]])
+            gm.graph.erase_node(user)
+        else:
+            raise NotImplementedError(f"{user.name} reads a traced region's outputs whole")
+    attr = call.args[0]
+    gm.graph.erase_node(call)
+    if not attr.users:
+        gm.graph.erase_node(attr)
+    return copies
+
+
+def inline_regions(gm: fx.GraphModule) -> int:
+    """Puts the nodes of every ``invoke_subgraph`` call of Dynamo's graph back in place (nested
+    ones first), in place; each copy's module stack is its calling layer's. Returns the number
+    of calls inlined."""
+    calls = list(gm.graph.find_nodes(op="call_function",
+                                     target=torch.ops.higher_order.invoke_subgraph))
+    if not calls:
+        return 0
+    done = 0
+    for name, sub in list(gm.named_children()):
+        if isinstance(sub, fx.GraphModule):
+            done += inline_regions(sub)
+    # The placeholder of each symbol, one the graph reads outside the calls where there is one
+    # (Dynamo lifts another for the calls; Inductor then fails to find a size's symbol).
+    symbols: dict[Any, fx.Node] = {}
+    for p in gm.graph.find_nodes(op="placeholder"):
+        value = p.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            outside = any(u.target is not torch.ops.higher_order.invoke_subgraph for u in p.users)
+            if outside or value.node.expr not in symbols:
+                symbols[value.node.expr] = p
+    copies: list[fx.Node] = []
+    for call in calls:
+        copies += _inline_call(gm, call, symbols)
+        done += 1
+    _size_reads(copies, symbols)
+    for name, sub in list(gm.named_children()):
+        if isinstance(sub, fx.GraphModule) and not any(
+                n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+            delattr(gm, name)
+    gm.graph.lint()
+    gm.recompile()
+    return done
