@@ -230,7 +230,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
 
     ``regions`` (experimental): compile each class of alike decoder layers once
     (autosp.outline: PyTorch's ``invoke_subgraph`` after the SP rewrite), so that compile time
-    stops growing with depth; remat is then decided per layer class, not per layer.
+    stops growing with depth; remat is then decided per layer class, not per layer. On PyTorch
+    2.13 and later, Dynamo also traces each class of repeated layers once: each numbered layer
+    (``layers.3``) whose class has two or more instances is given a subclass of its class with
+    a ``nested_compile_region`` forward (autosp.dynamo_regions; ``.traced_once`` lists them).
     ``SequenceParallelModule.last_compile.outlined`` says which layers call which subgraph.
 
     ``tile_mlp``: run each row-wise block (an MLP or SwiGLU: linears and elementwise ops whose
