@@ -5,7 +5,9 @@
    partition function. Reported: networkx.minimum_cut on PyTorch's own flow network vs
    autosp's C++ max-flow on exactly that network (same cut value checked), PyTorch's whole
    solve_min_cut vs autosp's whole solve_remat (policy "default": same heuristics), and both
-   end-to-end partition functions.
+   end-to-end partition functions. 1b (``--part regions``): the partition work of a whole
+   compile of that model, flat and with its decoder layers outlined (autosp.outline), with
+   each partition function.
 2. Memory and time. LlamaForCausalLM at S = 8k, 16k, 32k on CPU: bytes the forward saves for
    the backward (the forward graph's saved outputs, from their fake-tensor sizes; the same
    accounting for both partitioners) and the median training-step time, PyTorch's default
@@ -15,6 +17,7 @@ Prints ratios; asserts nothing about absolute times. Example:
 
     .venv/bin/python bench/bench_remat.py                     # everything (minutes on 2 cores)
     .venv/bin/python bench/bench_remat.py --part solver
+    .venv/bin/python bench/bench_remat.py --part regions   # the partition work of a whole compile
     .venv/bin/python bench/bench_remat.py --part memory --seqs 8192 --backend aot_eager
 """
 
@@ -199,6 +202,64 @@ def bench_solver(num_layers: int, seq: int, repeat: int) -> None:
     print()
 
 
+def bench_regions_partition(num_layers: int, seq: int, repeat: int) -> None:
+    """The partition work of a whole compile of the model, not of one graph: flat (one joint
+    graph of every layer) against ``regions`` (autosp.outline on Dynamo's graph: the decoder
+    layer's joint graph is partitioned once, then the calling graph's), each with PyTorch's
+    and autosp's partition function, in one run, best of ``repeat`` compiles each."""
+    from torch._dynamo import config as dynamo_config
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    from autosp.outline import outline_layers
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172,
+                      num_layers=num_layers, num_heads=4, num_kv_heads=4)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq))
+
+    def compile_once(regions: bool, partition_fn: Callable) -> tuple[float, list[int]]:
+        seconds, sizes = [], []
+
+        def timed(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            sizes.append(len(joint.graph.nodes))
+            with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+                start = time.perf_counter()
+                out = partition_fn(joint, joint_inputs, **kwargs)
+                seconds.append(time.perf_counter() - start)
+            return out
+
+        aot = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=timed)
+
+        def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+            if regions:
+                outline_layers(gm)
+            return aot(gm, example_inputs)
+
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend, fullgraph=True)(ids, ids).backward()
+        return sum(seconds), sizes
+
+    ours = remat.make_partition_fn("default")
+    rows = {}
+    for _ in range(repeat):  # alternated, so that load from other processes hits all four
+        for regions in (False, True):
+            for name, fn in (("torch", min_cut_rematerialization_partition), ("autosp", ours)):
+                t, sizes = compile_once(regions, fn)
+                best = rows.get((regions, name), (math.inf, sizes))[0]
+                rows[(regions, name)] = (min(best, t), sizes)
+    print(f"== 1b. partition work of a whole compile: {num_layers}-layer Llama, S={seq}, best of "
+          f"{repeat} compiles ==")
+    for (regions, name), (t, sizes) in rows.items():
+        print(f"{'regions' if regions else 'flat':<8} {name:<7} {t * 1e3:9.2f} ms   joint graphs "
+              f"partitioned: {len(sizes)} ({' + '.join(map(str, sizes))} nodes)")
+    flat_torch = rows[(False, "torch")][0]
+    for regions, name in ((False, "autosp"), (True, "torch"), (True, "autosp")):
+        print(f"PyTorch's flat / {'regions' if regions else 'flat'} {name}: "
+              f"{flat_torch / rows[(regions, name)][0]:.1f}x")
+    print()
+
+
 # ------------------------------------------------------------------------------------------
 # 2. Saved bytes and step time
 
@@ -293,7 +354,7 @@ def bench_memory(seqs: list[int], backend: str, steps: int, cfg: LlamaConfig) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("all", "solver", "memory"), default="all")
+    parser.add_argument("--part", choices=("all", "solver", "regions", "memory"), default="all")
     parser.add_argument("--solver-layers", type=int, default=16)
     parser.add_argument("--solver-seq", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=5)
@@ -308,6 +369,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.part in ("all", "solver"):
         bench_solver(args.solver_layers, args.solver_seq, args.repeat)
+    if args.part in ("all", "regions"):
+        bench_regions_partition(args.solver_layers, args.solver_seq, min(args.repeat, 3))
     if args.part in ("all", "memory"):
         cfg = LlamaConfig(
             vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
