@@ -128,3 +128,31 @@ def test_a_call_reading_another_layers_weights_is_refused() -> None:
         pytest.skip("this PyTorch stamps out each layer with its own weights")
     assert "error" in got, "the inlining took a call of layer 1 reading layer 0's weights"
     assert "layer layers.1 reading layers.0." in str(got["error"]), got["error"]
+
+
+def test_layers_that_differ_where_dynamos_guards_do_not_look_are_not_marked_together() -> None:
+    """Found by breaker helper-33 (torch 2.13): with an activation submodule chosen per layer, or
+    a hook on one layer's submodule, Dynamo stamped out the layer as first traced (layer 2 ran
+    layer 1's ReLU; the hook was dropped), silently. Only the largest group of layers alike in
+    what the guards miss is marked; the others are traced as usual."""
+    model = _model(4)
+    model.layers[2].mlp.act = torch.nn.ReLU()  # an attribute the forward does not read
+    assert dynamo_regions.mark_layers(model) == ["layers.0", "layers.1", "layers.3"]
+    dynamo_regions.unmark_layers(model)
+
+    model = _model(4)
+    model.layers[1].mlp.up_proj.register_forward_hook(lambda mod, args, out: out * 2)
+    assert dynamo_regions.mark_layers(model) == ["layers.0", "layers.2", "layers.3"]
+    dynamo_regions.unmark_layers(model)
+
+    model = _model(4)
+    for i, layer in enumerate(model.layers):  # alternating: two groups of two, one is marked
+        layer.mlp.act = torch.nn.ReLU() if i % 2 else torch.nn.SiLU()
+    assert dynamo_regions.mark_layers(model) == ["layers.0", "layers.2"]
+    dynamo_regions.unmark_layers(model)
+
+    model = _model(3)
+    for i, layer in enumerate(model.layers):  # a number per layer: Dynamo guards it
+        layer.self_attn.layer_idx = i
+    assert dynamo_regions.mark_layers(model) == ["layers.0", "layers.1", "layers.2"]
+    dynamo_regions.unmark_layers(model)

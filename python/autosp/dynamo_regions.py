@@ -91,23 +91,76 @@ def _marked_class(cls: type) -> type:
     return sub
 
 
+#: What every nn.Module has in its __dict__ (registries, hook dicts), left out of a signature
+#: except the hooks and the training flag, which it takes separately.
+_MODULE_STATE = frozenset(vars(nn.Module()))
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+
+def _attr_signature(value: Any) -> Any:
+    """A plain attribute's part of a signature: None for values Dynamo's reuse guards check
+    (numbers, strings, flags: found guarded, each differing layer traced anew); a tensor's
+    metadata; a function's name (and identity, for a closure)."""
+    if isinstance(value, (tuple, list)):
+        parts = tuple(_attr_signature(v) for v in value)
+        return parts if any(p is not None for p in parts) else None
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.requires_grad)
+    if callable(value) and not isinstance(value, type):  # a function chosen per layer
+        closure = getattr(value, "__closure__", None)
+        return ("callable", getattr(value, "__module__", ""),
+                getattr(value, "__qualname__", type(value).__qualname__),
+                id(value) if closure else 0)
+    return None
+
+
+def layer_signature(layer: nn.Module) -> tuple:
+    """What tells two layers of one class apart beyond their weights' values and what torch
+    2.13's reuse guards check (numbers, strings, flags): found missed, a submodule's class and a
+    hook on it. Per submodule, its path, class, hooks (by identity), training flag, tensor and
+    function attributes; per parameter and buffer, its shape, dtype and requires_grad."""
+    out = []
+    for rel, m in layer.named_modules():
+        hooks = tuple(tuple(id(h) for h in getattr(m, name, {}).values()) for name in _HOOKS)
+        attrs = tuple(sorted((k, a) for k, v in vars(m).items()
+                             if k not in _MODULE_STATE and (a := _attr_signature(v)) is not None))
+        tensors = tuple((k, t.dtype, tuple(t.shape), t.requires_grad)
+                        for k, t in list(m._parameters.items()) + list(m._buffers.items())
+                        if t is not None)
+        out.append((rel, type(m).__qualname__, type(m).__module__, m.training, hooks, attrs,
+                    tensors))
+    return tuple(out)
+
+
 def mark_layers(model: nn.Module) -> list[str]:
-    """Marks each repeated numbered layer's forward as a nested compile region: the layer's
-    class becomes a subclass of it whose ``forward`` is marked, one per class. (Marking the
-    forward as an instance attribute instead made torch 2.13's Dynamo stamp out every layer
-    with the first layer's weights, silently.) Leaves alone a layer with a forward of its own
-    (an instance attribute) or one already marked. Returns the marked paths."""
+    """Marks repeated numbered layers' forward as a nested compile region: the layer's class
+    becomes a subclass of it whose ``forward`` is marked, one per class. (Marking the forward as
+    an instance attribute instead made torch 2.13's Dynamo stamp out every layer with the first
+    layer's weights, silently.) Per class, only the largest group of two or more layers with one
+    ``layer_signature`` is marked: Dynamo's reuse guards were found to miss a submodule chosen
+    per layer (an activation) and a hook on one layer's submodule, and the other layers are
+    traced as usual. Leaves alone a layer with a forward of its own (an instance attribute) or
+    one already marked. Returns the marked paths."""
     if not reuse_supported():
         return []
-    marked = []
+    groups: dict[type, dict[tuple, list[tuple[str, nn.Module]]]] = {}
     for path, mod in numbered_layers(model):
         cls = type(mod)
         if ("forward" in vars(mod) or hasattr(cls.forward, "__marked_compile_region_fn__")
                 or _MARK in vars(cls)):
             continue
-        mod.__class__ = _marked_class(cls)
-        marked.append(path)
-    return marked
+        groups.setdefault(cls, {}).setdefault(layer_signature(mod), []).append((path, mod))
+    marked = []
+    for cls, by_signature in groups.items():
+        largest = max(by_signature.values(), key=len)
+        if len(largest) < 2:
+            continue
+        for path, mod in largest:
+            mod.__class__ = _marked_class(cls)
+            marked.append(path)
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    return sorted(marked, key=order.__getitem__)
 
 
 def unmark_layers(model: nn.Module) -> None:
