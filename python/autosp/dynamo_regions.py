@@ -98,24 +98,39 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
 
 
-def _attr_signature(value: Any) -> Any:
+def _attr_signature(value: Any, depth: int = 0) -> Any:
     """A plain attribute's part of a signature: None for values Dynamo's reuse guards check
     (numbers, strings, flags: found guarded, each differing layer traced anew); a tensor's
-    metadata; a function's name (and identity, for a closure)."""
+    metadata; a function's name (and identity, for a closure); a module held outside the
+    registered submodules (in a dict, on a plain object) by its own signature."""
+    if depth > 3:
+        return None
+    if isinstance(value, nn.Module):
+        return ("module", layer_signature(value, depth + 1))
     if isinstance(value, (tuple, list)):
-        parts = tuple(_attr_signature(v) for v in value)
+        parts = tuple(_attr_signature(v, depth + 1) for v in value)
         return parts if any(p is not None for p in parts) else None
+    if isinstance(value, dict):
+        parts = tuple((repr(k), _attr_signature(v, depth + 1)) for k, v in value.items())
+        return parts if any(p[1] is not None for p in parts) else None
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(value.shape), value.requires_grad)
-    if callable(value) and not isinstance(value, type):  # a function chosen per layer
+    if isinstance(value, type):
+        return None
+    if callable(value):  # a function chosen per layer
         closure = getattr(value, "__closure__", None)
         return ("callable", getattr(value, "__module__", ""),
                 getattr(value, "__qualname__", type(value).__qualname__),
                 id(value) if closure else 0)
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):  # a plain object: what it holds
+        parts = tuple(sorted((k, a) for k, v in fields.items()
+                             if (a := _attr_signature(v, depth + 1)) is not None))
+        return (type(value).__qualname__, parts) if parts else None
     return None
 
 
-def layer_signature(layer: nn.Module) -> tuple:
+def layer_signature(layer: nn.Module, depth: int = 0) -> tuple:
     """What tells two layers of one class apart beyond their weights' values and what torch
     2.13's reuse guards check (numbers, strings, flags): found missed, a submodule's class and a
     hook on it. Per submodule, its path, class, hooks (by identity), training flag, tensor and
@@ -124,7 +139,8 @@ def layer_signature(layer: nn.Module) -> tuple:
     for rel, m in layer.named_modules():
         hooks = tuple(tuple(id(h) for h in getattr(m, name, {}).values()) for name in _HOOKS)
         attrs = tuple(sorted((k, a) for k, v in vars(m).items()
-                             if k not in _MODULE_STATE and (a := _attr_signature(v)) is not None))
+                             if k not in _MODULE_STATE
+                             and (a := _attr_signature(v, depth)) is not None))
         tensors = tuple((k, t.dtype, tuple(t.shape), t.requires_grad)
                         for k, t in list(m._parameters.items()) + list(m._buffers.items())
                         if t is not None)
@@ -141,14 +157,14 @@ def mark_layers(model: nn.Module) -> list[str]:
     ``layer_signature`` is marked: Dynamo's reuse guards were found to miss a submodule chosen
     per layer (an activation) and a hook on one layer's submodule, and the other layers are
     traced as usual. Leaves alone a layer with a forward of its own (an instance attribute) or
-    one already marked. Returns the marked paths."""
+    one its author marked. Undoes an earlier call's marks first. Returns the marked paths."""
+    unmark_layers(model)  # an earlier compile's marks: marked anew
     if not reuse_supported():
         return []
     groups: dict[type, dict[tuple, list[tuple[str, nn.Module]]]] = {}
     for path, mod in numbered_layers(model):
         cls = type(mod)
-        if ("forward" in vars(mod) or hasattr(cls.forward, "__marked_compile_region_fn__")
-                or _MARK in vars(cls)):
+        if "forward" in vars(mod) or hasattr(cls.forward, "__marked_compile_region_fn__"):
             continue
         groups.setdefault(cls, {}).setdefault(layer_signature(mod), []).append((path, mod))
     marked = []
