@@ -9,7 +9,6 @@ slow ones run autosp.compile(regions=True) on 2 Gloo ranks against one device.""
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 from typing import Any
 
