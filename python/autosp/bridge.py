@@ -95,6 +95,9 @@ def _target_text(node: fx.Node) -> str:
 _SOURCE_KEY = re.compile(r"""\[['"]?([^'"\]]+)['"]?\]""")
 # The root local, and the index into it when the module came in through ``*args`` (a
 # decorator over ``forward``, as transformers puts on its models: ``L['args'][0].model...``).
+#: What Dynamo puts in a module path inside a nested compile region (autosp.dynamo_regions):
+#: ``L['self'].layers.3.forward.__self__.mlp`` is module ``layers.3.mlp``.
+REGION_SELF = ".forward.__self__"
 _SOURCE_ROOT = re.compile(r"""^[LG]\[['"]?(?:args['"]?\]\[\d+\]|\w+['"]?\])""")
 
 
@@ -105,7 +108,7 @@ def dotted_path(name: str) -> str:
     ``L['args'][0].model.layers[3]`` -> ``model.layers.3`` (a module passed as ``*args``), and
     ``L['self'].layers.3.forward.__self__.mlp`` -> ``layers.3.mlp`` (inside a nested compile
     region, autosp.dynamo_regions)."""
-    name = _SOURCE_ROOT.sub("", name).replace(".forward.__self__", "")
+    name = _SOURCE_ROOT.sub("", name).replace(REGION_SELF, "")
     name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
     name = _SOURCE_KEY.sub(r".\1", name)
     return ".".join(part for part in name.split(".") if part)

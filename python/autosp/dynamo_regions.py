@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autosp.bridge import dotted_path, module_path
+from autosp.bridge import REGION_SELF, _input_name, dotted_path, module_path
 from autosp.errors import AutospError
 from autosp.remat_facts import layer_of_path
 
@@ -36,8 +36,9 @@ _MARK = "_autosp_marked_from"
 
 
 class RegionReuseError(AutospError):
-    """Dynamo's graph has a layer's call read another layer's parameters: its reuse of a traced
-    layer went wrong. The module traces every layer instead (autosp.sp_module)."""
+    """Dynamo's graph of traced-once layers is not what the inlining takes (a layer's call reads
+    another layer's parameters: Dynamo's reuse went wrong). The module traces every layer
+    instead (autosp.sp_module)."""
 
 
 def reuse_supported() -> bool:
@@ -187,10 +188,6 @@ def unmark_layers(model: nn.Module) -> None:
             mod.__class__ = original
 
 
-def _stack_path(path: str) -> str:
-    return path.replace(".forward.__self__", "")
-
-
 def _unnumbered(path: str) -> str:
     return re.sub(r"\d+\]?$", "", path)
 
@@ -203,7 +200,7 @@ def _remap_stack(stack: dict, site: dict) -> dict:
         return dict(stack or {})
     site_key, (site_path, _) = next(reversed(site.items()))
     out = dict(site)
-    entries = [(k, _stack_path(p), c) for k, (p, c) in (stack or {}).items()]
+    entries = [(k, p.replace(REGION_SELF, ""), c) for k, (p, c) in (stack or {}).items()]
     traced = next((i for i, (_, p, _) in enumerate(entries)
                    if p != _unnumbered(p) and _unnumbered(p) == _unnumbered(site_path)), None)
     if traced is None:
@@ -220,9 +217,7 @@ def _is_state(node: Any) -> bool:
     """A placeholder for a parameter or buffer of the model (by Dynamo's source)."""
     if not isinstance(node, fx.Node) or node.op != "placeholder":
         return False
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", "")
-    name = str(name() if callable(name) else name)
+    name = _input_name(node)
     return "._parameters[" in name or "._buffers[" in name
 
 
@@ -282,7 +277,8 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, symbols: dict[Any, fx.Node])
             if n.op in ("placeholder", "output"):
                 continue
             if n.op == "get_attr":
-                raise NotImplementedError(f"a get_attr ({n.target}) inside a traced region")
+                raise RegionReuseError(f"[autosp:capture] found a get_attr ({n.target}) inside "
+                                       "Dynamo's traced layer; expected only its operands.")
             new = gm.graph.node_copy(n, lambda a: env[a])
             new.meta = dict(n.meta)
             if "nn_module_stack" in n.meta or site:
@@ -295,7 +291,8 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, symbols: dict[Any, fx.Node])
             user.replace_all_uses_with(env[outs[user.args[1]]])
             gm.graph.erase_node(user)
         else:
-            raise NotImplementedError(f"{user.name} reads a traced region's outputs whole")
+            raise RegionReuseError(f"[autosp:capture] found {user.name} reading a traced layer's "
+                                   "outputs whole; expected one getitem per output.")
     attr = call.args[0]
     gm.graph.erase_node(call)
     if not attr.users:

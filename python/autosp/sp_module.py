@@ -95,11 +95,10 @@ class SequenceParallelModule(nn.Module):
         # under "module." as with DistributedDataParallel.
         object.__setattr__(self, "_compiled",
                            torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False))
-        # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions);
-        # not for FSDP2-sharded layers (DTensor operands).
-        # An earlier regions=True compile's marks are undone (regions=False traces every layer).
-        self.traced_once: list[str] = []
+        # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions),
+        # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
         dynamo_regions.unmark_layers(model)
+        self.traced_once: list[str] = []
         if getattr(sp_backend, "regions", False) and not shard.is_sharded(model):
             self.traced_once = dynamo_regions.mark_layers(model)
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
