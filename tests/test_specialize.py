@@ -28,7 +28,8 @@ def _symbolic(x: Any) -> bool:
     return False
 
 
-def _worker(rank: int, world: int, backend: str, dynamic: bool) -> dict[str, Any]:
+def _worker(rank: int, world: int, backend: str, dynamic: bool,
+            regions: bool = False) -> dict[str, Any]:
     import sys
 
     import autosp
@@ -38,13 +39,18 @@ def _worker(rank: int, world: int, backend: str, dynamic: bool) -> dict[str, Any
     mesh = autosp.init_mesh(world)
     torch._dynamo.reset()
     model = build_model(tiny_config(4, 2, vocab_size=VOCAB))
-    compiled = autosp.compile(model, mesh=mesh, backend=backend, dynamic=dynamic, tile_loss=True)
-    compiles: list[bool] = []  # per compile of AOTAutograd: whether any input was symbolic
+    compiled = autosp.compile(model, mesh=mesh, backend=backend, dynamic=dynamic, tile_loss=True,
+                              regions=regions)
+    compiles: list[bool] = []  # per compile of AOTAutograd: whether anything was symbolic
     real = sp_backend.compile_graph
 
     def counting(gm: Any, inputs: list[Any], **kw: Any) -> Any:
-        compiles.append(any(_symbolic(x) for x in inputs))
-        return real(gm, inputs, **kw)
+        out = real(gm, inputs, **kw)
+        # AOTAutograd makes an integer input a symbol of the shape env: a static compile
+        # must leave none there (autosp.specialize bakes the integers into the graph).
+        shape_env = torch._guards.TracingContext.get().fake_mode.shape_env
+        compiles.append(any(_symbolic(x) for x in inputs) or bool(shape_env.var_to_val))
+        return out
 
     results = []
     with mock.patch.object(sp_backend, "compile_graph", side_effect=counting):
@@ -54,12 +60,20 @@ def _worker(rank: int, world: int, backend: str, dynamic: bool) -> dict[str, Any
                             list(compiles)))
     per_shape = compiled.last_compile.per_shape
     return {"results": results, "dynamo_graphs": len(compiled.sp_backend.records),
-            "shapes": None if per_shape is None else len(per_shape.shapes)}
+            "shapes": None if per_shape is None else len(per_shape.shapes),
+            "outlined": compiled.last_compile.outlined}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_static_per_shape_is_exact_and_compiles_once_per_length(backend: str) -> None:
-    for rank, out in enumerate(run_ranks(2, _worker, backend, False)):
+@pytest.mark.parametrize("backend,regions", [
+    ("aot_eager", False), ("aot_eager", True),
+    pytest.param("inductor", False, marks=pytest.mark.slow),
+    pytest.param("inductor", True, marks=pytest.mark.slow)])
+def test_static_per_shape_is_exact_and_compiles_once_per_length(backend: str,
+                                                                 regions: bool) -> None:
+    for rank, out in enumerate(run_ranks(2, _worker, backend, False, regions)):
+        if regions:  # both layers call one subgraph, compiled with every size static
+            assert sum("calls autosp_layer_0" in line for line in out["outlined"]) == 2, out
+
         for seq, result, compiles in out["results"]:
             assert_step_exact(result, f"dynamic=False, S {seq}, rank {rank}")
         # One Dynamo capture (the length symbolic); AOTAutograd twice, each static: at the
@@ -125,3 +139,38 @@ def test_static_compiles_hit_aot_autograds_cache() -> None:
         cold, warm = pool.submit(_cold_then_warm).result(timeout=600)
     assert cold.get("autograd_cache_miss") == 1 and cold.get("autograd_cache_saved") == 1, cold
     assert warm.get("autograd_cache_hit") == 1 and not warm.get("autograd_cache_bypass"), warm
+
+
+def _two_calls(first: int, second: int) -> tuple[torch.fx.GraphModule, torch.nn.Module]:
+    import torch.fx as fx
+
+    sub = fx.symbolic_trace(lambda x, n: (x * n,))
+    root = torch.nn.Module()
+    root.autosp_layer_0 = sub
+    g = fx.Graph()
+    x = g.placeholder("x")
+    attr = g.get_attr("autosp_layer_0")
+    calls = [g.call_function(torch.ops.higher_order.invoke_subgraph,
+                             (attr, "autosp_layer_0", x, n)) for n in (first, second)]
+    g.output(tuple(calls))
+    return fx.GraphModule(root, g), sub
+
+
+def test_bake_regions_bakes_one_literal_per_subgraph_and_refuses_two() -> None:
+    """A region subgraph called with one integer at a position by every call gets a copy with
+    the value in place of its placeholder; calls passing different integers leave it alone
+    (the static compile then keeps the integer inputs symbolic)."""
+    from autosp.specialize import _bake_regions
+
+    gm, sub = _two_calls(3, 3)
+    assert _bake_regions(gm)
+    baked = gm.autosp_layer_0
+    assert baked is not sub and len([n for n in sub.graph.nodes if n.op == "placeholder"]) == 2
+    assert [n.name for n in baked.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert torch.equal(baked(torch.ones(2))[0], torch.full((2,), 3.0))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(len(c.args) == 3 for c in calls)
+
+    gm, sub = _two_calls(3, 4)
+    assert not _bake_regions(gm)
+    assert gm.autosp_layer_0 is sub

@@ -54,10 +54,24 @@ class PerShapeCompiled:
         self.shapes: list[tuple] = []
         self.seconds: list[float] = []
 
-    def _copy(self) -> fx.GraphModule:
+    def _copy(self, args: tuple) -> tuple[fx.GraphModule, list[int]]:
+        """A copy of the graph with every integer input (a symbolic size at capture) replaced by
+        its value in ``args`` and dropped from the inputs, and the positions of the inputs the
+        copy keeps. AOTAutograd makes an integer input a symbol, so left as an input, what is
+        computed from it (the rotary table's length, a region's operand) would be compiled with
+        a symbolic size. The shape key holds these values, so each copy serves only them."""
         gm = fx.GraphModule(self._template, copy.deepcopy(self._template.graph))
         gm.meta = dict(self._template.meta)
-        return gm
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        baked = {i for i, a in enumerate(args) if type(a) is int}
+        for i in baked:
+            _bake(placeholders[i], args[i])
+        if baked and not _bake_regions(gm):  # a region cannot take a literal: keep the symbols
+            return self._copy(())[0], list(range(len(args)))
+        for i in baked:
+            gm.graph.erase_node(placeholders[i])
+        gm.recompile()
+        return gm, [i for i in range(len(args)) if i not in baked]
 
     def _compile_static(self, args: tuple) -> Callable:
         """Compiles a copy of the graph for ``args``' shapes: static fake copies of the
@@ -70,10 +84,14 @@ class PerShapeCompiled:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        inputs = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor)
-                  else a for a in args]
+        gm, keep = self._copy(args)
+        inputs = [fake_mode.from_tensor(args[i], static_shapes=True)
+                  if isinstance(args[i], torch.Tensor) else args[i] for i in keep]
         with tracing(TracingContext(fake_mode)):
-            return self._compile(self._copy(), inputs)
+            fn = self._compile(gm, inputs)
+        if len(keep) == len(args):
+            return fn
+        return lambda *a: fn(*[a[i] for i in keep])
 
     def __call__(self, *args: Any) -> Any:
         key = shape_key(args)
@@ -90,3 +108,45 @@ class PerShapeCompiled:
                     "distinct input shapes, each a full compile; pass dynamic=True to compile "
                     "one graph for every sequence length instead.", stacklevel=2)
         return fn(*args)
+
+
+def _bake(ph: fx.Node, value: int) -> None:
+    """Replaces every use of the placeholder ``ph`` by the integer ``value``."""
+    def sub(a: Any) -> Any:
+        return value if a is ph else a
+
+    for user in list(ph.users):
+        user.args = torch.fx.node.map_aggregate(user.args, sub)
+        user.kwargs = torch.fx.node.map_aggregate(user.kwargs, sub)
+
+
+def _bake_regions(gm: fx.GraphModule) -> bool:
+    """After :func:`_bake`, an ``invoke_subgraph`` call (autosp.outline) may pass a literal
+    integer, which PyTorch's region compile does not take (its subgraph placeholder then has no
+    value). Where every call of a subgraph passes one value at a position, the subgraph gets a
+    copy with that value in place of the placeholder, and the calls drop the operand. False
+    when the calls of a subgraph pass different literals at one position."""
+    calls: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph:
+            calls.setdefault(n.args[0].target, []).append(n)
+    for name, nodes in calls.items():
+        operands = [n.args[2:] for n in nodes]
+        literal = {i for i, a in enumerate(operands[0]) if not isinstance(a, fx.Node)}
+        for ops in operands:
+            if {i for i, a in enumerate(ops) if not isinstance(a, fx.Node)} != literal:
+                return False
+            if any(ops[i] != operands[0][i] for i in literal):
+                return False
+        if not literal:
+            continue
+        sub = getattr(gm, name)
+        graph = copy.deepcopy(sub.graph)
+        phs = [p for p in graph.nodes if p.op == "placeholder"]
+        for i in literal:
+            _bake(phs[i], operands[0][i])
+            graph.erase_node(phs[i])
+        gm.add_submodule(name, fx.GraphModule(sub, graph))
+        for n in nodes:
+            n.args = n.args[:2] + tuple(a for i, a in enumerate(n.args[2:]) if i not in literal)
+    return True
