@@ -1,4 +1,6 @@
-"""Op coverage: the pointwise set is torch's own, and hand-written GQA and MQA forms are exact.
+"""Op coverage: the pointwise set is torch's own, aliasing and random ops are read from torch's
+schemas and tags (each checked against what the op does), and hand-written GQA and MQA forms
+are exact.
 
 The pointwise tests need no process group. The exactness test spawns one Gloo group of 2
 ranks and runs several small models in it, each against the single-device model (loss
@@ -14,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autosp.ops import UNTAGGED_POINTWISE, aten_pointwise_ops, is_pointwise
+from autosp.ops import UNTAGGED_POINTWISE, aten_pointwise_ops, is_pointwise, is_random, may_alias
 from distributed import assert_step_exact, run_ranks, step_against_reference
 
 
@@ -168,3 +170,54 @@ def test_hand_written_gqa_forms_are_exact() -> None:
     for rank, results in enumerate(run_ranks(2, _gqa_worker)):
         for r in results:
             assert_step_exact(r, f"rank {rank} {r['case']}")
+
+
+# may_alias and is_random (autosp.ops): what autosp.outline refuses to hand on from a region,
+# and what it refuses to move, read from PyTorch's schemas and tags; each answer checked here
+# against what the op does.
+_X = torch.randn(4, 6)
+_ALIASING_CALLS = {
+    "reshape": lambda x: x.reshape(6, 4), "swapaxes": lambda x: x.swapaxes(0, 1),
+    "expand_as": lambda x: x.expand_as(x), "contiguous": lambda x: x.contiguous(),
+    "detach": lambda x: x.detach(), "to": lambda x: x.to(torch.float32),
+    "float": lambda x: x.float(), "type_as": lambda x: x.type_as(x),
+    "moveaxis": lambda x: x.moveaxis(0, 1), "ravel": lambda x: x.ravel(),
+    "flatten": lambda x: x.flatten(), "unflatten": lambda x: x.unflatten(1, (2, 3)),
+    "narrow": lambda x: x.narrow(0, 0, 2), "view_as": lambda x: x.view_as(x),
+}
+_FRESH_CALLS = {
+    "add": lambda x: x + 1, "clone": lambda x: x.clone(), "matmul": lambda x: x @ x.T,
+    "exp": lambda x: x.exp(), "linear": lambda x: F.linear(x, x), "cat": lambda x: torch.cat([x, x]),
+    "softmax": lambda x: x.softmax(-1), "index_select": lambda x: x.index_select(0, torch.tensor([0])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ALIASING_CALLS))
+def test_may_alias_says_so_for_a_view(name: str) -> None:
+    out = _ALIASING_CALLS[name](_X)
+    assert out.untyped_storage().data_ptr() == _X.untyped_storage().data_ptr()
+    assert may_alias(name)
+
+
+@pytest.mark.parametrize("name", sorted(_FRESH_CALLS))
+def test_may_alias_is_false_for_a_fresh_result(name: str) -> None:
+    out = _FRESH_CALLS[name](_X)
+    assert out.untyped_storage().data_ptr() != _X.untyped_storage().data_ptr()
+    assert not may_alias(name)
+
+
+@pytest.mark.parametrize("name", ["dropout", "alpha_dropout", "feature_alpha_dropout",
+                                  "dropout1d", "dropout2d", "dropout3d", "rrelu"])
+def test_is_random_for_functions_that_draw(name: str) -> None:
+    fn = getattr(F, name)
+    # Channels enough that two draws agree with probability 2**-128 at most.
+    x = torch.ones({"dropout1d": (8, 16, 4), "dropout3d": (8, 16, 2, 2, 2)}.get(name, (8, 16, 2, 2)))
+    kw = {"training": True} if name != "rrelu" else {"training": True, "lower": 0.1, "upper": 0.9}
+    draws = [fn(x if name != "rrelu" else -x, **kw) for _ in range(2)]
+    assert not torch.equal(*draws)
+    assert is_random(name)
+
+
+@pytest.mark.parametrize("name", ["exp", "add", "linear", "softmax", "reshape"])
+def test_is_random_is_false_for_deterministic_ops(name: str) -> None:
+    assert not is_random(name)

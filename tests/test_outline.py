@@ -91,10 +91,15 @@ def _layers_graph(interloper: str) -> tuple[torch.fx.GraphModule, list[torch.Ten
             elif interloper == "random":
                 noise = g.call_function(torch.rand_like, (t,))
                 a = _tag(g.call_function(torch.add, (a, noise)), "layers.0.mlp")
+            elif interloper == "bernoulli":  # random by its ATen op's tag, not Node.is_impure
+                noise = g.call_function(torch.bernoulli, (g.call_function(torch.sigmoid, (t,)),))
+                a = _tag(g.call_function(torch.add, (a, noise)), "layers.0.mlp")
             elif interloper == "other-layer":
                 a = _tag(g.call_function(torch.neg, (a,)), "layers.1.mlp")
         b = _tag(g.call_function(torch.add, (a, shared)), f"layers.{i}.mlp")
         h = _tag(g.call_function(torch.relu, (b,)), f"layers.{i}")
+        if interloper == "view-output":  # each layer hands on a view (one no list named)
+            h = _tag(g.call_function(torch.swapaxes, (h, 1, 1)), f"layers.{i}")
     g.output(h)
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     args = [torch.randn(4, 8) for _ in range(5)]
@@ -115,7 +120,8 @@ def test_interleaved_layer_is_gathered_and_outlined() -> None:
 
 
 @pytest.mark.parametrize("interloper,why", [
-    ("inplace", "may not move"), ("random", "may not move"), ("other-layer", "interleaved with layers.1")])
+    ("inplace", "may not move"), ("random", "may not move"), ("bernoulli", "may not move"),
+    ("other-layer", "interleaved with layers.1")])
 def test_layer_that_cannot_be_gathered_stays_inline(interloper: str, why: str) -> None:
     """An in-place write or a random draw between layer 0's nodes would change meaning if
     moved, and a node of layer 1 on a path between layer 0's nodes cannot leave the run: layer 0
@@ -129,8 +135,20 @@ def test_layer_that_cannot_be_gathered_stays_inline(interloper: str, why: str) -
     if interloper != "other-layer":  # there, layer 1 is not alike the others either
         assert sorted(lines[1:]) == [f"layers.{i}: calls autosp_layer_0" for i in (1, 2)], lines
     result = gm(*[a.clone() for a in args])
-    if interloper != "random":
+    if interloper not in ("random", "bernoulli"):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+def test_layer_handing_on_a_view_stays_inline() -> None:
+    """A region's output may not share storage with anything (PyTorch assumes so and checks
+    nothing): a layer ending in a view (``swapaxes``, known as one from its ATen schema's alias
+    annotation) stays inline, with the reason."""
+    from autosp.outline import outline_layers
+
+    gm, args = _layers_graph("view-output")
+    lines = outline_layers(gm)
+    assert lines == [f"layers.{i}: not outlined: its output swapaxes{'_' + str(i) if i else ''} "
+                     "(swapaxes) may alias a value it reads" for i in range(3)], lines
 
 
 def _fake_rank_compiles(backend: str, runs: list[bool]) -> list[dict[str, Any]]:

@@ -29,15 +29,8 @@ import torch
 import torch.fx as fx
 
 from autosp.bridge import _is_inplace
+from autosp.ops import is_random, may_alias
 from autosp.remat_facts import _layer_of
-
-#: Ops whose result may share its operand's storage: a region may not hand one on.
-_ALIASING = {"view", "_unsafe_view", "reshape", "view_as", "t", "transpose", "permute",
-             "expand", "squeeze", "unsqueeze", "alias", "detach", "slice", "select", "narrow",
-             "split", "chunk", "unbind", "as_strided", "wait_tensor", "contiguous", "flatten",
-             "unflatten", "diagonal", "movedim", "__getitem__", "getitem", "real", "imag",
-             "view_as_real", "view_as_complex", "grad_sync", "to", "type_as", "float"}
-
 
 def _name(node: fx.Node) -> str:
     t = node.target
@@ -85,7 +78,7 @@ class _Region:
             if _operand_kind(a) is None:
                 return f"its operand {a.name} is neither a tensor nor a symbolic int"
         for o in self.outputs:
-            if _name(o) in _ALIASING or o.target is operator.getitem:
+            if may_alias(_name(o)) or o.target is operator.getitem:
                 return f"its output {o.name} ({_name(o)}) may alias a value it reads"
             if not isinstance(_value(o), torch.Tensor):
                 return f"its output {o.name} is not a tensor"
@@ -112,16 +105,10 @@ class _Region:
         return ops, kinds, outs
 
 
-#: Ops that draw random numbers without saying so to ``Node.is_impure`` (it knows torch.rand and
-#: friends): moving one past another draw would change which numbers each gets.
-_RANDOM = {"dropout", "sharded_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
-           "dropout2d", "dropout3d", "rrelu", "fused_dropout", "native_dropout"}
-
-
 def _movable(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module"):
         return False
-    if _is_inplace(node) or _name(node) in _RANDOM:
+    if _is_inplace(node) or is_random(_name(node)):
         return False
     try:
         return not node.is_impure()

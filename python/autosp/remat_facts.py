@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from autosp import _core
+from autosp.ops import ALIASING_WITHOUT_SCHEMA
 
 def _partitioners():
     from torch._functorch import partitioners
@@ -258,9 +259,7 @@ def aliased_arg(node: Any) -> Any:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    if target.namespace in _COLLECTIVE_NAMESPACES and "wait_tensor" in target.name():
-        return node.args[0]
-    if target is torch.ops.aten._unsafe_view.default:  # a view of a fresh clone
+    if target._opname in ALIASING_WITHOUT_SCHEMA:  # a collective's wait, _unsafe_view
         return node.args[0]
     for i, name in _aliased_positions(target):
         value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
