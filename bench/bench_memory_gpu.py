@@ -36,7 +36,7 @@ def predict(config, dtype: str, batch: int, policies: list[str], seqs: list[int]
     traced = planner.trace_step(config, sp_size=1, dtype=dtype, batch_size=batch)
     out = {}
     for policy in policies:
-        options = planner._core_options(policy, dtype, traced.num_params, 1)
+        options = planner.core_plan_options(policy, dtype, traced.num_params, 1)
         for s in seqs:
             out[policy, s] = _core.simulate_peak_memory(traced.graph, s, options)
     return out, traced

@@ -50,7 +50,7 @@ def main() -> None:
                                  fullgraph=True, dynamic=False)
         measured = measure.train_step_memory(model, compiled, ids, labels)
         predicted = _core.simulate_peak_memory(
-            traced.graph, args.seq, planner._core_options(policy, "fp32", traced.num_params, 1))
+            traced.graph, args.seq, planner.core_plan_options(policy, "fp32", traced.num_params, 1))
         rows[policy] = (measured, predicted)
     print(f"Llama {args.layers} layers, hidden {args.hidden}, batch {args.batch}, S {args.seq}, fp32, "
           "one CPU process (aot_eager); MiB; ratios against 'default' in this run")

@@ -89,7 +89,7 @@ def main() -> None:
         traced = trace_step(cfg, sp_size=args.sp, dtype="fp32", batch_size=1, tile_loss=tile)
         predicted = _core.simulate_peak_memory(
             traced.graph, args.seq,
-            planner._core_options("sequence-aware", "fp32", traced.num_params, 1,
+            planner.core_plan_options("sequence-aware", "fp32", traced.num_params, 1,
                                   loss_chunks=chunks or 0))
         rows[label] = (mem, statistics.median(times), predicted.peak)
     gib = float(1 << 30)

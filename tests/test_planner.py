@@ -37,7 +37,7 @@ PEAK_TOLERANCE = 0.10  # the issue's bound; measured error is ~0.3% (see docs/pl
 
 
 def _options(policy: str, traced: planner.TracedStep) -> Any:
-    return planner._core_options(policy, "fp32", traced.num_params, 1)
+    return planner.core_plan_options(policy, "fp32", traced.num_params, 1)
 
 
 def _run_step(model: torch.nn.Module, compiled: Any, ids: torch.Tensor,
@@ -125,7 +125,7 @@ def test_sharded_state_saved_bytes_exact_and_peak_close(traced_p2: planner.Trace
     """ZeRO-3 (autosp.fully_shard) on rank 0 of 2: parameters, gradients and AdamW state are
     halves, each parameter is gathered where it is used (forward, then again in backward)."""
     measured_saved, measured_peak = _measure_on_fake_rank(shard=True)
-    options = planner._core_options("sequence-aware", "fp32", traced_p2.num_params, 1,
+    options = planner.core_plan_options("sequence-aware", "fp32", traced_p2.num_params, 1,
                                     param_shards=2)
     predicted = _core.simulate_peak_memory(traced_p2.graph, SEQ, options)
     unsharded = _core.simulate_peak_memory(traced_p2.graph, SEQ,
@@ -276,7 +276,7 @@ def test_replicated_layers_predict_like_the_full_trace(sp_size: int, layers: int
                 y.save_bytes.at(seq), y.alloc_bytes.at(seq), y.scratch_bytes.at(seq)), where
             assert x.flops.at(seq) == pytest.approx(y.flops.at(seq), rel=1e-12), where
     for policy in planner.REMAT_STRATEGIES:
-        options = planner._core_options(policy, dtype, full.num_params, 1)
+        options = planner.core_plan_options(policy, dtype, full.num_params, 1)
         for seq in (64, 2048, 65536):
             want = _core.simulate_peak_memory(full.graph, seq, options)
             got = _core.simulate_peak_memory(built.graph, seq, options)
@@ -399,22 +399,22 @@ def test_bad_gpu_memory_and_strategy() -> None:
     with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+full\+offload'.*an offload "
                                           r"goes with the solver's policies"):
         planner.plan(TINY, gpus=2, sp=2, strategies=["ulysses+full+offload"])
-    assert planner._parse_strategies(["ulysses+sequence-aware+tiled-loss+offload"]) == [
+    assert planner.parse_strategies(["ulysses+sequence-aware+tiled-loss+offload"]) == [
         planner.Choice("ulysses", "sequence-aware", tile_loss=True, offload=True)]
-    assert planner._parse_strategies(["ulysses+full+tiled-mlp", "no-sp+none+tiled loss+tiled mlp"]) == [
+    assert planner.parse_strategies(["ulysses+full+tiled-mlp", "no-sp+none+tiled loss+tiled mlp"]) == [
         planner.Choice("ulysses", "full", tile_mlp=True),
         planner.Choice("no-sp", "none", tile_loss=True, tile_mlp=True)]
     with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+none\+tiled-mlp\+tiled-loss'"):
-        planner._parse_strategies(["ulysses+none+tiled-mlp+tiled-loss"])  # out of order
+        planner.parse_strategies(["ulysses+none+tiled-mlp+tiled-loss"])  # out of order
     with pytest.raises(AutospError, match=r"unknown strategy 'ulysses\+none\+offload\+offload-all'"):
-        planner._parse_strategies(["ulysses+none+offload+offload-all"])  # one offload at most
-    assert planner._parse_strategies(["ulysses+none+offload-all"]) == [
+        planner.parse_strategies(["ulysses+none+offload+offload-all"])  # one offload at most
+    assert planner.parse_strategies(["ulysses+none+offload-all"]) == [
         planner.Choice("ulysses", "none", offload=True, offload_all=True)]
     assert planner.Choice("ulysses", "none", offload=True, offload_all=True).name == \
         "ulysses + none + offload all"
     # 'all': per mode, 3 solver policies x 4 subsets of the tiled ops x (no offload, offload,
     # offload all), and 'full' without offload
-    everything = planner._parse_strategies(["all"])
+    everything = planner.parse_strategies(["all"])
     assert len(everything) == len(set(everything)) == 2 * (3 * 4 * 3 + 4)
 
 

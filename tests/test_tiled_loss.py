@@ -281,10 +281,10 @@ def _predict_and_measure_tiled(rows: str | None, recompute: bool, chunks: tuple)
             traced = trace_step(cfg, sp_size=2, dtype="fp32", batch_size=2, tile_loss=tile)
             predicted = _core.simulate_peak_memory(
                 traced.graph, seq,
-                planner._core_options("sequence-aware", "fp32", traced.num_params, 1,
+                planner.core_plan_options("sequence-aware", "fp32", traced.num_params, 1,
                                       loss_chunks=n or 0))
             none = _core.simulate_peak_memory(
-                traced.graph, seq, planner._core_options("none", "fp32", traced.num_params, 1))
+                traced.graph, seq, planner.core_plan_options("none", "fp32", traced.num_params, 1))
             out.append((tile, predicted.saved_bytes, measured.saved_bytes, predicted.peak,
                         measured.peak_bytes, none.recompute_flops,
                         2 * (2 * seq // 2) * cfg.hidden_size * vocab))

@@ -246,14 +246,14 @@ def _predict_and_measure(rows: str | None) -> tuple:
         measured = measure.train_step_memory(model, compiled, ids, ids)
         traced = trace_step(cfg, sp_size=2, dtype="fp32", batch_size=batch, tile_loss=True,
                             tile_mlp=True)
-        options = planner._core_options("sequence-aware", "fp32", traced.num_params, 1)
+        options = planner.core_plan_options("sequence-aware", "fp32", traced.num_params, 1)
         predicted = _core.simulate_peak_memory(traced.graph, seq, options)
         # remat "none" recomputes nothing itself: what is left is the tiled ops' own.
         none = _core.simulate_peak_memory(
-            traced.graph, seq, planner._core_options("none", "fp32", traced.num_params, 1))
+            traced.graph, seq, planner.core_plan_options("none", "fp32", traced.num_params, 1))
         untiled_loss = _core.simulate_peak_memory(
             trace_step(cfg, sp_size=2, dtype="fp32", batch_size=batch, tile_loss=True).graph,
-            seq, planner._core_options("none", "fp32", traced.num_params, 1))
+            seq, planner.core_plan_options("none", "fp32", traced.num_params, 1))
     tokens = batch * seq // 2
     return (predicted.saved_bytes, measured.saved_bytes, predicted.peak, measured.peak_bytes,
             none.recompute_flops - untiled_loss.recompute_flops,

@@ -74,9 +74,12 @@ _STRATEGY_ENUM = {
 # Planning
 
 
-def _core_options(remat: str, dtype: str, num_params: int, shards: int,
-                  param_shards: int = 1, offload: bool = False, offload_all: bool = False,
-                  loss_chunks: int = 0, offload_optimizer: bool = False) -> Any:
+def core_plan_options(remat: str, dtype: str, num_params: int, shards: int,
+                      param_shards: int = 1, offload: bool = False, offload_all: bool = False,
+                      loss_chunks: int = 0, offload_optimizer: bool = False) -> Any:
+    """The core's ``MemoryOptions`` for one strategy: remat policy ``remat`` (a name of
+    ``REMAT_STRATEGIES``), ``dtype`` "fp32" or "bf16", the model's parameter count and how
+    the optimizer state (``shards``) and parameters (``param_shards``) are sharded."""
     options = _core.MemoryOptions()
     options.loss_chunks = loss_chunks
     options.strategy = getattr(_core.RematStrategy, _STRATEGY_ENUM[remat])
@@ -148,7 +151,10 @@ def combinations(mode: str = "ulysses", remats: Sequence[str] = ("none", "defaul
     return out
 
 
-def _parse_strategies(strategies: Sequence[str] | None) -> list[Choice]:
+def parse_strategies(strategies: Sequence[str] | None) -> list[Choice]:
+    """``["ulysses+sequence-aware+tiled-loss", ...]`` (or ``["all"]``, or None for the
+    defaults) as :class:`Choice` s; AutospError on an unknown part, one out of order, or two
+    offloads."""
     if strategies is None:
         return [Choice(mode, r) for mode in SP_MODES for r in REMAT_STRATEGIES] + list(DEFAULT_EXTRAS)
     if list(strategies) == ["all"]:
@@ -245,7 +251,7 @@ def plan(
                           "built)")
     budget = parse_bytes(gpu_memory)
     host_budget = parse_bytes(host_memory, "host memory") if host_memory is not None else 0
-    chosen = _parse_strategies(strategies)
+    chosen = parse_strategies(strategies)
     if plot is not None:
         _matplotlib()  # before the trace: a missing plotting library fails in a second
     multiple = seq_multiple * sp // math.gcd(seq_multiple, sp)
@@ -275,7 +281,7 @@ def plan(
         num_params = traced.num_params
         # OffloadOptimizer keeps a rank's whole state on its host: no ZeRO-1 sharding.
         shards = 1 if offload_optimizer else {"none": 1, "dp": dp, "world": gpus}[optimizer_sharding]
-        options = _core_options(c.remat, dtype, traced.num_params, shards,
+        options = core_plan_options(c.remat, dtype, traced.num_params, shards,
                                 param_shards=gpus if fsdp else 1, offload=c.offload,
                                 offload_all=c.offload_all, loss_chunks=loss_chunks,
                                 offload_optimizer=offload_optimizer)

@@ -116,10 +116,10 @@ def choose(model: torch.nn.Module, args: tuple, kwargs: dict, *, auto: Auto, bud
     ``tile_mlp`` True keep only combinations with them. AutospError when none fits."""
     from autosp.plan_memory_graph import _memory_graph
     from autosp.plan_trace import capture_joints
-    from autosp.planner import _core_options, _parse_strategies, combinations
+    from autosp.planner import combinations, core_plan_options, parse_strategies
 
     start = time.perf_counter()
-    choices = [c for c in _parse_strategies(combinations("ulysses"))
+    choices = [c for c in parse_strategies(combinations("ulysses"))
                if c.tile_loss >= tile_loss and c.tile_mlp >= tile_mlp]
     # The optimizer's state is for the parameters that are trained (a frozen base model's
     # weights are in the graph as parameters, with no gradient and no state).
@@ -144,7 +144,7 @@ def choose(model: torch.nn.Module, args: tuple, kwargs: dict, *, auto: Auto, bud
     candidates, chunks_of = [], []
     for c in choices:
         graph = graphs[(c.tile_loss, c.tile_mlp)]
-        o = _core_options(c.remat, dtype, num_params, 1, param_shards=param_shards,
+        o = core_plan_options(c.remat, dtype, num_params, 1, param_shards=param_shards,
                           offload=c.offload, offload_all=c.offload_all,
                           loss_chunks=loss_chunks or 0, offload_optimizer=auto.offload_optimizer)
         chunks = loss_chunks
