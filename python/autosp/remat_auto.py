@@ -116,7 +116,7 @@ def choose(model: torch.nn.Module, args: tuple, kwargs: dict, *, auto: Auto, bud
     ``tile_mlp`` True keep only combinations with them. AutospError when none fits."""
     from autosp.plan_memory_graph import _memory_graph
     from autosp.plan_trace import capture_joints
-    from autosp.planner import combinations, core_plan_options, parse_strategies
+    from autosp.plan_strategies import combinations, core_plan_options, parse_strategies
 
     start = time.perf_counter()
     choices = [c for c in parse_strategies(combinations("ulysses"))

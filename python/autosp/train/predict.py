@@ -63,7 +63,7 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
     memory when 0); returns a line saying what it chose. AutospError when none fits or the
     model is not one the planner models."""
     import autosp
-    from autosp.planner import combinations
+    from autosp.plan_strategies import combinations
 
     t = cfg.training
     gib = float(1 << 30)
