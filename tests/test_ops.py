@@ -221,3 +221,23 @@ def test_is_random_for_functions_that_draw(name: str) -> None:
 @pytest.mark.parametrize("name", ["exp", "add", "linear", "softmax", "reshape"])
 def test_is_random_is_false_for_deterministic_ops(name: str) -> None:
     assert not is_random(name)
+
+
+@pytest.mark.parametrize("name,args,kwargs,aliases", [
+    ("dropout", (None, 0.1, True), {}, False),       # on: a fresh tensor
+    ("dropout", (None, 0.0, True), {}, True),        # p = 0: the input itself
+    ("dropout", (None, 0.1, False), {}, True),       # not training: the input itself
+    ("dropout", (None,), {"p": 0.2}, False),         # F.dropout's default: training
+    ("alpha_dropout", (None, 0.2), {}, True),        # F.alpha_dropout's default: not training
+    ("sharded_dropout", (None, 0.0, True, 1, 1, 1, 0, 2), {}, True),
+    ("reshape", (None, (2, 3)), {}, True), ("add", (None, 1), {}, False)])
+def test_may_alias_call_reads_a_dropouts_arguments(name: str, args: tuple, kwargs: dict,
+                                                   aliases: bool) -> None:
+    from autosp.ops import may_alias_call
+
+    assert may_alias_call(name, args, kwargs) is aliases
+    if name in ("dropout", "alpha_dropout"):  # and that is what the function does
+        x = torch.ones(64)
+        fn = getattr(F, name)
+        out = fn(x, *args[1:], **kwargs)
+        assert (out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) is aliases

@@ -37,14 +37,17 @@ def _packet(name: str) -> torch._ops.OpOverloadPacket | None:
 
 
 # Functions that may return an operand (or a view of it) where no ATen schema of their name
-# says so: Tensor methods that are ``to`` under another name, ``type_as`` (its schema has no
-# alias annotation; it returns ``self`` when the dtype matches), a functional collective's wait
-# (returns its input), ``_unsafe_view`` (a view), ``operator.getitem``, and autosp's
-# ``grad_sync`` (a view in the forward).
+# says so: Tensor methods that are ``to`` under another name, ``type_as``, ``atleast_*d``,
+# ``sum_to_size`` and ``einsum`` (their schemas have no alias annotation, yet each returns its
+# input, or a view, in some cases), Tensor properties Dynamo records as ``getattr`` (``T``,
+# ``H``, ``data``) and ``+x`` (``operator.pos``), a functional collective's wait (returns its
+# input), ``_unsafe_view`` (a view), ``operator.getitem``, and autosp's ``grad_sync`` (a view in
+# the forward). Dropout returns its input when it is off: see :func:`may_alias_call`.
 ALIASING_WITHOUT_SCHEMA = frozenset({
     "type_as", "float", "double", "half", "bfloat16", "int", "long", "short", "char", "byte",
-    "bool", "cpu", "cuda", "type", "wait_tensor", "_unsafe_view", "getitem", "grad_sync",
-    "grad_sync_many"})
+    "bool", "cpu", "cuda", "type", "atleast_1d", "atleast_2d", "atleast_3d", "sum_to_size",
+    "einsum", "T", "H", "data", "_get_data_attr", "pos", "wait_tensor", "_unsafe_view",
+    "getitem", "grad_sync", "grad_sync_many"})
 
 # Functions that draw random numbers with no ATen op of their name (PyTorch's own are tagged
 # ``nondeterministic_seeded``): functional dropouts, and autosp's per-chunk draws.
@@ -86,6 +89,31 @@ def may_alias(name: str) -> bool:
             if r.alias_info is not None and not r.alias_info.is_write:
                 return True
     return False
+
+
+# Dropouts return their input itself when off (p = 0, or not training), a fresh tensor when on;
+# the value is the training flag's default. autosp's sharded_dropout (x, p, training, ...) is
+# what the SP plan makes of a dropout on a sequence-sharded value.
+DROPOUTS = {"dropout": True, "dropout1d": True, "dropout2d": True, "dropout3d": True,
+            "feature_dropout": True, "alpha_dropout": False, "feature_alpha_dropout": False,
+            "sharded_dropout": True}
+
+
+def may_alias_call(name: str, args: tuple, kwargs: dict) -> bool:
+    """:func:`may_alias` for one call, whose arguments can settle it: a dropout aliases its
+    input unless its probability is a positive constant and it is constantly training
+    (``F.dropout(x, p, training)``, ``torch.dropout(x, p, train)``).
+
+    >>> may_alias_call("dropout", (None, 0.1, True), {}), may_alias_call("dropout", (None, 0.0), {})
+    (False, True)
+    """
+    if name not in DROPOUTS:
+        return may_alias(name)
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train",
+                                                                            DROPOUTS[name]))
+    on = isinstance(p, (int, float)) and p > 0 and training is True
+    return not on
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,13 +29,17 @@ import torch
 import torch.fx as fx
 
 from autosp.bridge import _is_inplace
-from autosp.ops import is_random, may_alias
+from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 
 def _name(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, str):
         return t
+    if isinstance(t, torch._ops.OpOverload):  # aten.t.default: the op's name, "t"
+        return t._opname
+    if t is getattr and len(node.args) > 1 and isinstance(node.args[1], str):
+        return node.args[1]  # Dynamo records x.mT as getattr(x, "mT")
     return getattr(t, "__name__", None) or str(t)
 
 
@@ -78,10 +82,10 @@ class _Region:
             if _operand_kind(a) is None:
                 return f"its operand {a.name} is neither a tensor nor a symbolic int"
         for o in self.outputs:
-            if may_alias(_name(o)) or o.target is operator.getitem:
-                return f"its output {o.name} ({_name(o)}) may alias a value it reads"
             if not isinstance(_value(o), torch.Tensor):
                 return f"its output {o.name} is not a tensor"
+            if may_alias_call(_name(o), o.args, o.kwargs) or o.target is operator.getitem:
+                return f"its output {o.name} ({_name(o)}) may alias a value it reads"
         return ""
 
     def _key(self) -> tuple:
