@@ -29,18 +29,20 @@ import torch
 import torch.fx as fx
 
 from autosp.bridge import _is_inplace
+from autosp.canon import target_name
 from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 
 def _name(node: fx.Node) -> str:
+    """The name autosp.ops knows a call by: canon's Torch-level name, but an ATen overload's op
+    name (``aten.t.default``: "t") and a ``getattr``'s attribute (Dynamo records ``x.mT`` as
+    ``getattr(x, "mT")``)."""
     t = node.target
-    if isinstance(t, str):
-        return t
-    if isinstance(t, torch._ops.OpOverload):  # aten.t.default: the op's name, "t"
+    if isinstance(t, torch._ops.OpOverload):
         return t._opname
     if t is getattr and len(node.args) > 1 and isinstance(node.args[1], str):
-        return node.args[1]  # Dynamo records x.mT as getattr(x, "mT")
-    return getattr(t, "__name__", None) or str(t)
+        return node.args[1]
+    return target_name(node)
 
 
 def _value(node: fx.Node) -> Any:
