@@ -119,9 +119,9 @@ def _partition_graphs(
     solve_seconds = time.perf_counter() - start
 
     saved = [nodes[i] for i in solution.saved]
-    saved_sym_nodes = [
-        n for n in saved if is_sym_node(n) and not partitioners._is_assert_only_symbool(n)
-    ]
+    # torch < 2.13 has no _is_assert_only_symbool: its partitioner saves every sym node.
+    assert_only = getattr(partitioners, "_is_assert_only_symbool", lambda n: False)
+    saved_sym_nodes = [n for n in saved if is_sym_node(n) and not assert_only(n)]
     try:
         from torch._functorch._aot_autograd.graph_compile import is_opaque_node
     except ImportError:  # torch < 2.13
