@@ -3,6 +3,7 @@ hand-written Ulysses model, each in a fresh process.
 
     .venv/bin/python bench/compile_first_call.py                 # 2 layers, about 6 minutes
     .venv/bin/python bench/compile_first_call.py --layers 16     # about 20 minutes
+    python bench/compile_first_call.py --device cuda             # Triton kernels, on a GPU
 
 Each configuration runs as rank 0 of an SP group of ``--sp`` against a fake process group
 (collectives allocate, do not communicate), in a process of its own: PyTorch keeps compiled
@@ -34,7 +35,7 @@ CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritte
            "autosp-static-regions", "autosp-static-regions-every-layer")
 
 
-def _child(which: str, layers: int, seq: int, sp: int) -> None:
+def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
     import torch
     import torch.distributed as dist
     from torch._inductor import metrics
@@ -49,9 +50,9 @@ def _child(which: str, layers: int, seq: int, sp: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=layers,
                       num_heads=4, num_kv_heads=2)
-    ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0)).to(device)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(device)
     start = time.perf_counter()
     if which.startswith("autosp"):
         if which.endswith("-every-layer"):  # regions, but Dynamo traces every layer
@@ -69,13 +70,17 @@ def _child(which: str, layers: int, seq: int, sp: int) -> None:
         if which == "handwritten-dynamic":
             torch._dynamo.mark_dynamic(x, 1)
         torch.compile(hand)(x, x).backward()  # as bench_sp.py compiles it
+    if device == "cuda":
+        torch.cuda.synchronize()
     print(f"RESULT {time.perf_counter() - start:.3f} {metrics.generated_kernel_count}", flush=True)
 
 
-def _run(which: str, layers: int, seq: int, sp: int, cache: str) -> tuple[float, int]:
+def _run(which: str, layers: int, seq: int, sp: int, device: str,
+         cache: str) -> tuple[float, int]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which,
-                          "--layers", str(layers), "--seq", str(seq), "--sp", str(sp)],
+                          "--layers", str(layers), "--seq", str(seq), "--sp", str(sp),
+                          "--device", device],
                          env=env, capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -89,19 +94,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the model runs (Inductor then generates C++ or Triton kernels)")
     ap.add_argument("--child", default=None, choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--only", default=None, help="comma-separated configurations to run")
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.layers, args.seq, args.sp)
+        _child(args.child, args.layers, args.seq, args.sp, args.device)
         return
     results = {}
     for which in (args.only.split(",") if args.only else CONFIGS):
         cache = tempfile.mkdtemp(prefix="autosp-first-call-")
-        results[which] = (_run(which, args.layers, args.seq, args.sp, cache),
-                          _run(which, args.layers, args.seq, args.sp, cache))
+        run = (which, args.layers, args.seq, args.sp, args.device, cache)
+        try:
+            results[which] = (_run(*run), _run(*run))
+            print(f"{which}: cold {results[which][0]}, warm {results[which][1]} "
+                  f"(seconds, kernels)", flush=True)
+        except RuntimeError as err:  # one configuration failing leaves the others' rows
+            print(err, flush=True)
     print(f"first call (compile + forward + backward), Llama {args.layers} layers, S {args.seq}, "
-          f"rank 0 of sp {args.sp} (fake process group), Inductor, each in a fresh process")
+          f"rank 0 of sp {args.sp} (fake process group), Inductor on {args.device}, "
+          f"each in a fresh process", flush=True)
     print(f"{'':<22}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
     for which, ((cold, kernels), (warm, _)) in results.items():
         print(f"{which:<22}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")

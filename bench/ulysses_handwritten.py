@@ -174,7 +174,9 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         """A copy of ``model`` (same config and weights) that runs Ulysses over ``group``."""
         sp_model = cls(model.config, group, fuse_qkv)
         sp_model.load_state_dict(model.state_dict())
-        return sp_model
+        # The same device as model (load_state_dict copies into this CPU model; the rotary
+        # table is a buffer outside the state dict).
+        return sp_model.to(next(model.parameters()).device)
 
     def _exchange_qkv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
