@@ -42,8 +42,9 @@ class RegionReuseError(AutospError):
 
 
 def reuse_supported() -> bool:
-    """Whether this PyTorch's Dynamo reuses a traced nested compile region (2.13 and later);
-    without it every call is traced anyway, so nothing is marked."""
+    """Whether this PyTorch's Dynamo reuses a traced nested compile region (2.12 has the hook
+    this looks for, 2.11 has not; tested on 2.13 only); without it every call is traced
+    anyway, so nothing is marked."""
     if not hasattr(torch.compiler, "nested_compile_region"):
         return False
     spec = importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph")

@@ -36,13 +36,16 @@ def _op_name(node: fx.Node) -> str:
 
 def _hint(x: Any) -> int:
     if isinstance(x, torch.SymInt):
-        try:
-            from torch.fx.experimental.symbolic_shapes import optimization_hint
+        from torch.fx.experimental import symbolic_shapes
 
-            return int(optimization_hint(x, fallback=4096))
-        except ImportError:  # torch < 2.13
-            hint = x.node.hint
-            return int(hint) if hint is not None else 4096
+        # optimization_hint (2.12 and later), else size_hint (2.11): both put 4096 in for each
+        # data-dependent symbol of a size that mixes them with known ones (2*u0 + s0).
+        for name in ("optimization_hint", "size_hint"):
+            fn = getattr(symbolic_shapes, name, None)
+            if fn is not None:
+                return int(fn(x, fallback=4096))
+        hint = x.node.hint
+        return int(hint) if hint is not None else 4096
     return int(x)
 
 
