@@ -33,7 +33,8 @@ import torch
 def predict(config, dtype: str, batch: int, policies: list[str], seqs: list[int]) -> dict:
     from autosp import _core, planner
 
-    traced = planner.trace_step(config, sp_size=1, dtype=dtype, batch_size=batch)
+    # For a GPU: the attention kernel and the kernels' scratch a GPU has (autosp.cuda_kernels).
+    traced = planner.trace_step(config, sp_size=1, dtype=dtype, batch_size=batch, device="cuda")
     out = {}
     for policy in policies:
         options = planner.core_plan_options(policy, dtype, traced.num_params, 1)

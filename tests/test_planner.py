@@ -294,7 +294,7 @@ def test_replication_refused_falls_back_to_a_full_trace(monkeypatch: pytest.Monk
     import dataclasses
 
     config = dataclasses.replace(TINY, num_layers=4)  # the full trace is cached by the test above
-    key = (config, 1, "fp32", BATCH, True, False, None, False, None)
+    key = (config, 1, "fp32", BATCH, True, False, None, False, None, "cpu")
     plan_trace._TRACE_CACHE.pop(key, None)
 
     def refuse(graph: Any, num_layers: int) -> Any:

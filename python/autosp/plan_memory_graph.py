@@ -154,10 +154,23 @@ def _layer_seed(node: Any) -> int:
     return _layer_index(dotted_path(str(list(stack.values())[-1][0])))
 
 
+def _graph_device(nodes: list[Any]) -> str:
+    """``"cuda"`` when a tensor of the graph is on a CUDA device, else ``"cpu"``."""
+    for n in nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type == "cuda":
+            return "cuda"
+    return "cpu"
+
+
 def _memory_graph(
-    joint: Any, node_info: Any, num_fwd_outputs: int, shape_env: Any, param_primals: dict[int, str]
+    joint: Any, node_info: Any, num_fwd_outputs: int, shape_env: Any, param_primals: dict[int, str],
+    *, device: str | None = None,
 ) -> Any:
-    from autosp import remat
+    """The core's MemoryGraph of a captured joint graph. ``device``: where it will run
+    (``"cpu"``/``"cuda"``); by default the device of the graph's tensors. On ``"cuda"`` the
+    CUDA kernels' scratch tensors (autosp.cuda_kernels) are counted."""
+    from autosp import cuda_kernels, remat
 
     nodes, facts = remat.gather_facts(joint.graph, node_info)
     index = {n: i for i, n in enumerate(nodes)}
@@ -205,6 +218,9 @@ def _memory_graph(
         size = _size_at(s, seq, shape_env)
         flops_at[s] = [remat.node_flops(n, f.kind, f.target, size) for n, f in zip(nodes, facts)]
 
+    if device is None:
+        device = _graph_device(nodes)
+    cuda_scratch = cuda_kernels.OUTPUT_SIZED_SCRATCH if device == "cuda" else {}
     mem_nodes = []
     for i, (n, f) in enumerate(zip(nodes, facts)):
         m = _core.MemoryNode()
@@ -273,6 +289,10 @@ def _memory_graph(
                     t.cap = w.cap
                     terms.append(t)
                 m.scratch_bytes = _core.SeqBytes(terms + [_core.SeqTerm(w.constant, 0, 1)])
+            if copies := cuda_scratch.get(f.target):
+                terms = list(m.scratch_bytes.terms)
+                out = _to_seq_bytes(_tensor_bytes_expr(val, shape_env), seq)
+                m.scratch_bytes = _core.SeqBytes(terms + list(out.terms) * copies)
             target = n.target
             if (
                 isinstance(target, torch._ops.OpOverload)

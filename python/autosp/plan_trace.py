@@ -218,6 +218,21 @@ atexit.register(_TRACE_CACHE.clear)
 TRACED_LAYERS = 3
 
 
+def _attention_as_on(device: str, dtype: str, config: LlamaConfig) -> Any:
+    """A context in which the CPU trace's attention is the kernel ``device`` runs: the math
+    kernel where a GPU would run it (autosp.cuda_kernels), else as traced."""
+    import contextlib
+
+    from autosp import cuda_kernels
+
+    if device == "cuda" and cuda_kernels.sdpa_kernel(
+            dtype, config.num_heads, config.num_kv_heads, config.head_dim) == cuda_kernels.MATH:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
+
+
 def trace_step(
     config: LlamaConfig,
     *,
@@ -227,9 +242,15 @@ def trace_step(
     replicate: bool = True,
     tile_loss: bool = False,
     tile_mlp: bool = False,
+    device: str = "cpu",
 ) -> TracedStep:
     """Traces one training step of `config` for one rank of an SP group of `sp_size` on fake
     tensors (no memory) and returns its MemoryGraph. Cached per process.
+
+    ``device``: where the step will run, ``"cpu"`` or ``"cuda"``. The trace is on CPU fake
+    tensors either way; for ``"cuda"`` the attention is traced as the kernel a GPU runs
+    (``autosp.cuda_kernels.sdpa_kernel``: the math kernel for an fp32 model with grouped-query
+    attention) and CUDA kernels' scratch tensors are counted.
 
     With ``replicate`` (the default), a model of more than :data:`TRACED_LAYERS` decoder layers
     is traced with that many and the core inserts copies of a middle layer up to
@@ -242,9 +263,11 @@ def trace_step(
     from autosp import tiled_loss, tiled_rows
 
     # The tiled loss's chunks (autosp.tiled_loss.chunk_rows) decide its workspace.
+    if device not in ("cpu", "cuda"):
+        raise AutospError(f"[plan] found device={device!r}; expected 'cpu' or 'cuda'")
     key = (config, sp_size, dtype, batch_size, replicate, tile_loss,
            tiled_loss.env_rows() if tile_loss else None, tile_mlp,
-           tiled_rows.env_rows() if tile_mlp else None)
+           tiled_rows.env_rows() if tile_mlp else None, device)
     if key in _TRACE_CACHE:
         return _TRACE_CACHE[key]
     import dataclasses
@@ -260,9 +283,10 @@ def trace_step(
     model, ids, labels = _build_fake_model(traced_config, dtype, batch_size, trace_seq)
     torch._dynamo.mark_dynamic(ids, 1)
     torch._dynamo.mark_dynamic(labels, 1)
-    captured = capture_joint(model, (ids, labels), sp_size=sp_size, tile_loss=tile_loss,
-                             tile_mlp=tile_mlp)
-    graph = _memory_graph(*captured)
+    with _attention_as_on(device, dtype, config):
+        captured = capture_joint(model, (ids, labels), sp_size=sp_size, tile_loss=tile_loss,
+                                 tile_mlp=tile_mlp)
+    graph = _memory_graph(*captured, device=device)
     num_params = sum(p.numel() for p in model.parameters())
     fallback = None
     if traced_config is not config:
@@ -279,7 +303,8 @@ def trace_step(
             f"autosp plan: {fallback}; tracing all {layers} layers instead (slower)", stacklevel=2
         )
         traced = trace_step(config, sp_size=sp_size, dtype=dtype, batch_size=batch_size,
-                            replicate=False, tile_loss=tile_loss, tile_mlp=tile_mlp)
+                            replicate=False, tile_loss=tile_loss, tile_mlp=tile_mlp,
+                            device=device)
     else:
         traced = TracedStep(graph, num_params, sp_size, trace_seq, time.perf_counter() - start,
                             traced_layers=traced_config.num_layers,

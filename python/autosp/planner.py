@@ -92,6 +92,7 @@ def plan(
     loss_chunks: int = 0,
     offload_optimizer: bool = False,
     host_memory: str | int | None = None,
+    device: str = "cuda",
 ) -> PlanResult:
     """Predicted peak memory per rank and the longest trainable sequence for each strategy.
 
@@ -111,6 +112,8 @@ def plan(
     (``autosp.OffloadOptimizer``, ZeRO-Offload): each GPU keeps the parameters and gradients.
     ``host_memory``: the host memory per GPU (e.g. "250GB") that offloaded activations and the
     offloaded optimizer may take; the longest S must fit it too (default: no limit).
+    ``device``: ``"cuda"`` (GPUs: the attention kernel and scratch a GPU runs, see
+    autosp.cuda_kernels) or ``"cpu"`` (``autosp train`` on a CPU).
     """
     name, config = load_model_config(model)
     for label, v in (("gpus", gpus), ("batch_size", batch_size), ("seq_multiple", seq_multiple)):
@@ -166,7 +169,7 @@ def plan(
         if (p, c.tile_loss, c.tile_mlp) not in traces:
             traces[(p, c.tile_loss, c.tile_mlp)] = trace_step(
                 config, sp_size=p, dtype=dtype, batch_size=batch_size, tile_loss=c.tile_loss,
-                tile_mlp=c.tile_mlp)
+                tile_mlp=c.tile_mlp, device=device)
         traced = traces[(p, c.tile_loss, c.tile_mlp)]
         num_params = traced.num_params
         # OffloadOptimizer keeps a rank's whole state on its host: no ZeRO-1 sharding.

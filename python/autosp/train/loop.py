@@ -174,7 +174,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
             print("autosp plan: no prediction for a memory budget (training.remat_budget_gib)",
                   flush=True)
         elif cfg.metrics.predict:
-            predicted, line = predicted_peak(cfg, world_size, sp_size, vocab)
+            predicted, line = predicted_peak(cfg, world_size, sp_size, vocab, device.type)
             print(line, flush=True)
         if resume_from is not None:
             print(f"resumed from {resume_from}: {start} steps done", flush=True)

@@ -27,8 +27,10 @@ def planner_model(cfg: TrainConfig, vocab_size: int) -> Any:
                        num_heads=m.heads, num_kv_heads=m.kv_heads or m.heads)
 
 
-def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tuple[int | None, str]:
-    """(predicted peak bytes per rank, a line saying so), or (None, why there is none)."""
+def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
+                   device: str = "cpu") -> tuple[int | None, str]:
+    """(predicted peak bytes per rank on ``device``'s type, a line saying so), or (None, why
+    there is none)."""
     import autosp
 
     t = cfg.training
@@ -43,7 +45,8 @@ def predicted_peak(cfg: TrainConfig, world: int, sp: int, vocab_size: int) -> tu
                              fsdp=cfg.parallel.fsdp, offload_optimizer=t.offload_optimizer,
                              seq_len=t.seq_len, strategies=[strategy],
                              seq_multiple=t.seq_len, max_seq=t.seq_len, curve_points=2,
-                             loss_chunks=t.loss_chunks if t.tile_loss else 0)
+                             loss_chunks=t.loss_chunks if t.tile_loss else 0,
+                             device=device)
     except Exception as e:  # a model the planner does not model: the run goes on without
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return None, f"autosp plan: no prediction for this model ({first})"
@@ -88,7 +91,8 @@ def choose_strategy(cfg: TrainConfig, world: int, sp: int, vocab_size: int,
                              seq_len=t.seq_len, gpu_memory=budget, host_memory=host or None,
                              strategies=combinations("ulysses"), seq_multiple=t.seq_len,
                              max_seq=t.seq_len, curve_points=2,
-                             loss_chunks=t.loss_chunks)  # auto may turn the tiled loss on
+                             loss_chunks=t.loss_chunks,  # auto may turn the tiled loss on
+                             device=device.type)
     except AutospError as e:
         raise AutospError(f"[autosp:train] training.remat = 'auto' needs autosp plan's "
                           f"prediction for this model, which failed: {e}") from None
