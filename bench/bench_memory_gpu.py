@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the 1B shape")
     p.add_argument("--seq", default="2048,4096,8192", help="comma-separated sequence lengths")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="KV heads (default the 1B's 8: grouped-query attention; 32 for none)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--policies", default="none,default,sequence-aware")
@@ -101,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     config = replace(planner.PRESETS["llama-3.2-1b"], num_layers=args.layers)
+    if args.kv_heads:
+        config = replace(config, num_kv_heads=args.kv_heads)
     seqs = [int(s) for s in args.seq.split(",")]
     policies = args.policies.split(",")
     start = time.perf_counter()
     predicted, traced = predict(config, args.dtype, args.batch, policies, seqs)
-    print(f"# Llama-3.2-1B shape, {args.layers} layers, {traced.num_params / 1e6:.0f}M params, "
+    print(f"# Llama-3.2-1B shape, {args.layers} layers, {config.num_kv_heads} KV heads, "
+          f"{traced.num_params / 1e6:.0f}M params, "
           f"dtype {args.dtype}, batch {args.batch}; traced in {traced.seconds:.1f} s, "
           f"predicted all in {time.perf_counter() - start:.1f} s")
     on_gpu = torch.cuda.is_available() and not args.cpu_only
