@@ -53,6 +53,16 @@ def test_fp32_gqa_is_traced_as_the_math_kernel_for_a_gpu() -> None:
     assert _targets(bf16_gpu) == _targets(bf16_cpu)
 
 
+@pytest.mark.parametrize("sp, math", [(2, True), (4, False)])
+def test_the_heads_a_rank_holds_decide(sp: int, math: bool) -> None:
+    """Under Ulysses a rank runs attention on its share of the heads: 4 query and 2 KV heads
+    over 2 ranks leave 2 and 1 (grouped: math in fp32), over 4 ranks the KV heads are
+    replicated and each rank holds 1 and 1 (memory-efficient attention)."""
+    traced = planner.trace_step(GQA, sp_size=sp, dtype="fp32", batch_size=2, device="cuda")
+    assert (SOFTMAX_BWD in _targets(traced)) == math
+    assert any("flash_attention" in t for t in _targets(traced)) != math
+
+
 def test_an_unknown_device_is_refused() -> None:
     from autosp.errors import AutospError
 

@@ -19,6 +19,8 @@ The planner traces a training step on fake CPU tensors. Two things differ on a G
 
 from __future__ import annotations
 
+from typing import Any
+
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 
 #: Per ATen overload: how many temporaries of its output's size the CUDA kernel allocates
@@ -39,3 +41,24 @@ def sdpa_kernel(dtype: str, num_heads: int, num_kv_heads: int, head_dim: int, *,
     if num_heads == num_kv_heads and head_dim % alignment == 0:
         return EFFICIENT
     return MATH
+
+
+#: The fused attention ops a CPU trace holds, by name: (query, key) are args 0 and 1.
+_CPU_FUSED_ATTENTION = ("aten._scaled_dot_product_flash_attention_for_cpu.default",)
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def math_attention_on_cuda(graph: Any) -> bool:
+    """Whether a GPU would run one of the fused attention calls of ``graph`` (an FX graph
+    traced on the CPU) in the math kernel: read from each call's own query and key (the heads
+    a rank holds after the SP exchange, its dtype) and its mask."""
+    for node in graph.nodes:
+        if node.op != "call_function" or str(node.target) not in _CPU_FUSED_ATTENTION:
+            continue
+        q, k = (a.meta["val"] for a in node.args[:2])
+        dtype = _DTYPE_NAMES.get(str(q.dtype), "fp32")
+        kernel = sdpa_kernel(dtype, int(q.shape[1]), int(k.shape[1]), int(q.shape[-1]),
+                             mask=node.kwargs.get("attn_mask") is not None)
+        if kernel == MATH:
+            return True
+    return False

@@ -218,21 +218,6 @@ atexit.register(_TRACE_CACHE.clear)
 TRACED_LAYERS = 3
 
 
-def _attention_as_on(device: str, dtype: str, config: LlamaConfig) -> Any:
-    """A context in which the CPU trace's attention is the kernel ``device`` runs: the math
-    kernel where a GPU would run it (autosp.cuda_kernels), else as traced."""
-    import contextlib
-
-    from autosp import cuda_kernels
-
-    if device == "cuda" and cuda_kernels.sdpa_kernel(
-            dtype, config.num_heads, config.num_kv_heads, config.head_dim) == cuda_kernels.MATH:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.MATH])
-    return contextlib.nullcontext()
-
-
 def trace_step(
     config: LlamaConfig,
     *,
@@ -260,7 +245,7 @@ def trace_step(
     ``tile_loss``: the loss computed as ``autosp.compile(tile_loss=True)`` computes it;
     ``tile_mlp``: the MLPs as ``autosp.compile(tile_mlp=True)`` computes them.
     """
-    from autosp import tiled_loss, tiled_rows
+    from autosp import cuda_kernels, tiled_loss, tiled_rows
 
     # The tiled loss's chunks (autosp.tiled_loss.chunk_rows) decide its workspace.
     if device not in ("cpu", "cuda"):
@@ -283,9 +268,15 @@ def trace_step(
     model, ids, labels = _build_fake_model(traced_config, dtype, batch_size, trace_seq)
     torch._dynamo.mark_dynamic(ids, 1)
     torch._dynamo.mark_dynamic(labels, 1)
-    with _attention_as_on(device, dtype, config):
-        captured = capture_joint(model, (ids, labels), sp_size=sp_size, tile_loss=tile_loss,
-                                 tile_mlp=tile_mlp)
+    captured = capture_joint(model, (ids, labels), sp_size=sp_size, tile_loss=tile_loss,
+                             tile_mlp=tile_mlp)
+    if device == "cuda" and cuda_kernels.math_attention_on_cuda(captured[0].graph):
+        # A GPU runs this attention in the math kernel: trace that one instead.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            captured = capture_joint(model, (ids, labels), sp_size=sp_size,
+                                     tile_loss=tile_loss, tile_mlp=tile_mlp)
     graph = _memory_graph(*captured, device=device)
     num_params = sum(p.numel() for p in model.parameters())
     fallback = None
