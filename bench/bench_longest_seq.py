@@ -116,7 +116,7 @@ def _predicted_peak(s: Strategy, cfg: Any, p: int, seq: int) -> int:
         + ("+tiled-mlp" if s.tile_mlp else "") + ("+offload" if s.offload else "")
     result = autosp.plan(cfg, gpus=p, sp=p, dtype="fp32", gpu_memory=1 << 40, strategies=[name],
                          optimizer_sharding="none", seq_multiple=p, seq_len=seq, max_seq=seq,
-                         curve_points=2)
+                         curve_points=2, device="cpu")  # what this bench measures
     return result.strategies[0].at_seq.peak
 
 

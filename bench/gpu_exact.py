@@ -37,6 +37,7 @@ VARIANTS = [
     ("default-remat dynamic", {"remat": "default", "dynamic": True}),
     ("sequence-aware static", {"remat": "sequence-aware", "dynamic": False}),
     ("sequence-aware tiled-loss", {"remat": "sequence-aware", "tile_loss": True}),
+    ("regions static", {"remat": "sequence-aware", "dynamic": False, "regions": True}),
 ]
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from autosp import cuda_kernels, planner
-from autosp.cuda_kernels import EFFICIENT, FLASH, MATH
+from autosp.cuda_kernels import CUDNN, EFFICIENT, FLASH, MATH
 from autosp.models.llama import LlamaConfig
 
 GQA = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=1,
@@ -16,18 +16,26 @@ GQA = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_lay
 SOFTMAX_BWD = "aten._softmax_backward_data.default"
 
 
-@pytest.mark.parametrize("dtype, heads, kv, head_dim, mask, kernel", [
-    ("bf16", 32, 8, 64, False, FLASH),       # Llama-3 in bf16
-    ("fp16", 32, 32, 128, False, FLASH),
-    ("fp32", 32, 8, 64, False, MATH),        # flash is half only, efficient has no GQA
-    ("fp32", 32, 32, 64, False, EFFICIENT),
-    ("bf16", 32, 8, 64, True, MATH),         # flash takes no explicit mask
-    ("bf16", 32, 32, 64, True, EFFICIENT),
-    ("bf16", 16, 16, 512, False, EFFICIENT),  # flash stops at head_dim 256
-    ("fp32", 8, 8, 66, False, MATH),         # efficient needs head_dim % 4 in fp32
+AMPERE, HOPPER = (8, 0), (9, 0)
+
+
+@pytest.mark.parametrize("dtype, heads, kv, head_dim, mask, gpu, kernel", [
+    ("bf16", 32, 8, 64, False, AMPERE, FLASH),       # Llama-3 in bf16 on an A100
+    ("bf16", 32, 8, 64, False, HOPPER, CUDNN),       # ... on an H100 (cuDNN first)
+    ("fp16", 32, 32, 128, False, AMPERE, FLASH),
+    ("fp32", 32, 8, 64, False, AMPERE, MATH),        # flash is half only, efficient has no GQA
+    ("fp32", 32, 8, 64, False, HOPPER, MATH),        # and cuDNN half only
+    ("fp32", 32, 32, 64, False, HOPPER, EFFICIENT),
+    ("bf16", 32, 8, 64, True, AMPERE, MATH),         # flash takes no explicit mask
+    ("bf16", 32, 8, 64, True, HOPPER, CUDNN),        # cuDNN does, grouped heads too
+    ("bf16", 32, 32, 64, True, AMPERE, EFFICIENT),
+    ("bf16", 16, 16, 512, False, HOPPER, EFFICIENT),  # flash stops at 256, cuDNN at 128
+    ("bf16", 16, 8, 256, False, HOPPER, FLASH),
+    ("fp32", 8, 8, 66, False, HOPPER, MATH),         # efficient needs head_dim % 4 in fp32
 ])
-def test_sdpa_kernel(dtype, heads, kv, head_dim, mask, kernel) -> None:
-    assert cuda_kernels.sdpa_kernel(dtype, heads, kv, head_dim, mask=mask) == kernel
+def test_sdpa_kernel(dtype, heads, kv, head_dim, mask, gpu, kernel) -> None:
+    assert cuda_kernels.sdpa_kernel(dtype, heads, kv, head_dim, mask=mask,
+                                    capability=gpu) == kernel
 
 
 def _targets(traced) -> list[str]:
