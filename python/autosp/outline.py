@@ -33,6 +33,24 @@ from autosp.canon import target_name
 from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 
+_SIZE_ARITHMETIC = (operator.mul, operator.floordiv, operator.add, operator.sub,
+                    operator.truediv, operator.mod, operator.neg)
+
+
+def _reads_inner_size(node: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether size arithmetic ``node`` reads, through other size arithmetic, the size of a
+    tensor made inside the region (``inside``)."""
+    for a in node.all_input_nodes:
+        if a not in inside:
+            continue
+        if a.target in _SIZE_ARITHMETIC and _reads_inner_size(a, inside):
+            return True
+        if _name(a) in ("sym_size", "sym_numel", "size", "numel") and any(
+                t in inside for t in a.all_input_nodes):
+            return True
+    return False
+
+
 def _name(node: fx.Node) -> str:
     """The name autosp.ops knows a call by: canon's Torch-level name, but an ATen overload's op
     name (``aten.t.default``: "t") and a ``getattr``'s attribute (Dynamo records ``x.mT`` as
@@ -78,11 +96,21 @@ class _Region:
         for n in self.nodes:
             if n.op not in ("call_function", "call_method", "call_module"):
                 return f"it has a {n.op} node {n.name}"
+            if n.target in _SIZE_ARITHMETIC and _reads_inner_size(n, inside):
+                # The SP rewrite's size arithmetic (S/P from P * S/P) on the size of a tensor
+                # made inside: AOTAutograd's trace of the subgraph loses track of the symbol
+                # (nn.TransformerEncoder's decomposed attention, dynamic S).
+                return f"it computes a size from one of its own tensors' sizes ({n.name})"
             if _is_inplace(n):
                 return f"it writes in place ({n.name})"
         for a in self.operands:
             if _operand_kind(a) is None:
                 return f"its operand {a.name} is neither a tensor nor a symbolic int"
+        for n in self.operands + self.nodes:
+            v = _value(n)
+            if isinstance(v, torch.Tensor) and v.is_complex():
+                return (f"it holds a complex tensor ({n.name}), for which PyTorch's "
+                        "invoke_subgraph has no kernel (Conjugate)")
         for o in self.outputs:
             if not isinstance(_value(o), torch.Tensor):
                 return f"its output {o.name} is not a tensor"
