@@ -13,6 +13,9 @@ POLICIES = ("none", "default", "sequence-aware")
 OFFLOAD = "sequence-aware + offload"
 OFFLOAD_TILED = "sequence-aware + offload + tiled loss"
 OFFLOAD_ALL = "sequence-aware + offload all + tiled loss"
+# regions=True with an Offload policy: the layers stay inline so that their hidden states are
+# offloaded (outlined, each region kept its own: no copies at all; found 2026-12-04).
+OFFLOAD_REGIONS = "sequence-aware + offload, regions=True"
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -26,13 +29,14 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     runs = [(p, p, False) for p in POLICIES]
     runs += [(OFFLOAD, Offload("sequence-aware"), False), (OFFLOAD_TILED, Offload(), True),
-             (OFFLOAD_ALL, Offload(saved="all"), True)]
+             (OFFLOAD_ALL, Offload(saved="all"), True),
+             (OFFLOAD_REGIONS, Offload("sequence-aware"), False)]
     for name, policy, tile in runs:
         model = build_model(cfg)
         ref_loss, ref_grads = reference_loss_and_grads(model, ids, labels)
         report = RematReport()
         cm = autosp.compile(model, mesh=mesh, backend="aot_eager", remat=policy, remat_report=report,
-                            tile_loss=tile)
+                            tile_loss=tile, regions=name == OFFLOAD_REGIONS)
         loss = cm(ids, labels)
         loss.backward()
         collectives = [n for g in report.graphs for n in g.nodes if "c10d" in n.target]
@@ -43,13 +47,14 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             "saved": report.saved_bytes,
             "collective_fates": sorted({n.fate for n in collectives}),
             "n_collectives": len(collectives),
+            "outlined": cm.last_compile.outlined if cm.last_compile else None,
         }
     return out
 
 
 def test_policies_exact_and_never_recompute_collectives() -> None:
     for r in run_ranks(2, _worker):
-        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED, OFFLOAD_ALL):
+        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED, OFFLOAD_ALL, OFFLOAD_REGIONS):
             p = r[policy]
             assert abs(p["loss"] - p["ref_loss"]) <= 1e-5 * abs(p["ref_loss"]), (policy, p["loss"], p["ref_loss"])
             assert_grads_close(p["grads"], p["ref_grads"], rtol=1e-4, context=policy)
@@ -61,6 +66,8 @@ def test_policies_exact_and_never_recompute_collectives() -> None:
         assert r[OFFLOAD]["saved"] == r["sequence-aware"]["saved"]
         assert r[OFFLOAD]["offload_copies"] == 2 and r["sequence-aware"]["offload_copies"] == 0
         assert r[OFFLOAD_TILED]["offload_copies"] == 2
+        assert r[OFFLOAD_REGIONS]["offload_copies"] == 2, r[OFFLOAD_REGIONS]["outlined"]
+        assert "remat=Offload" in r[OFFLOAD_REGIONS]["outlined"][0]
         # Offloading all a layer saves: the same saved set, more of it on the host.
         assert r[OFFLOAD_ALL]["saved"] == r[OFFLOAD_TILED]["saved"]
         assert r[OFFLOAD_ALL]["offload_copies"] > 2

@@ -213,7 +213,12 @@ class SequenceParallelBackend:
                 rec.example_inputs = list(example_inputs)
                 rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False),
                                         time.perf_counter() - t2))
-            if self.regions:
+            if self.regions and isinstance(self.remat, Offload):
+                # Offloading moves each layer's hidden state to the host across the whole
+                # graph's partition; a region is partitioned on its own and would keep it.
+                rec.outlined = ["no layer outlined: remat=Offload(...) offloads the hidden "
+                                "state each layer hands on, which an outlined layer keeps"]
+            elif self.regions:
                 with stage("outline"):
                     from autosp.outline import outline_layers
 
