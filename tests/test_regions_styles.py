@@ -4,7 +4,11 @@ world 2, as without regions (test_styles.py), or its layers kept inline with the
 Found by forcing the outline on for the default suite's SP tests (2026-12-04): a complex RoPE
 layer crashed in PyTorch's invoke_subgraph (no Conjugate kernel) and nn.TransformerEncoder with a
 dynamic S crashed in AOTAutograd's trace of the region (a size the SP rewrite derives from one
-of the layer's own tensors). Both now stay inline (autosp.outline) and are exact.
+of the layer's own tensors): both now stay inline (autosp.outline). Then this file's slow zoo
+found a mixture of experts whose layers Dynamo traced once (autosp.dynamo_regions) failing
+with PyTorch's raw GuardOnDataDependentSymNode (layer 0's data-dependent size u0 against layer
+1's u1); any failure with layers marked now falls back to tracing every layer, with a warning.
+All three are exact.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import styles
 from distributed import run_ranks
 from test_styles import REFUSED, SEQ_LEN, XFAIL
 
-FOUND = ["llama-scratch-complex-rope", "nn-transformer-encoder"]
+FOUND = ["llama-scratch-complex-rope", "nn-transformer-encoder", "moe-index-add-aux"]
 
 
 def _worker(rank: int, world_size: int, names: list[str]) -> list[dict]:

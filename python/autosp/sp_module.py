@@ -222,6 +222,13 @@ class SequenceParallelModule(nn.Module):
                 f"torch.compile(fullgraph=True) captures whole.{hint} The full Dynamo message "
                 "follows.\n" + text
             ) from None
+        except Exception as e:  # noqa: BLE001 - any failure of the layers traced once
+            if self.traced_once and not isinstance(e, AutospError):
+                # e.g. a region traced with layer 0's data-dependent size guarding on layer 1's
+                # (a mixture of experts' routing): trace every layer instead.
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                return self._trace_every_layer(f"{type(e).__name__}: {first}", args, kwargs)
+            raise
 
     def _trace_every_layer(self, why: str, args: tuple, kwargs: dict) -> Any:
         """Dynamo could not trace the marked layers once per class (autosp.dynamo_regions):
