@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autosp import dynamo_regions, guard, shard
 from autosp.backend import SequenceParallelBackend
@@ -222,10 +223,12 @@ class SequenceParallelModule(nn.Module):
                 f"torch.compile(fullgraph=True) captures whole.{hint} The full Dynamo message "
                 "follows.\n" + text
             ) from None
-        except Exception as e:  # noqa: BLE001 - any failure of the layers traced once
-            if self.traced_once and not isinstance(e, AutospError):
-                # e.g. a region traced with layer 0's data-dependent size guarding on layer 1's
-                # (a mixture of experts' routing): trace every layer instead.
+        except (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode) as e:
+            if self.traced_once:
+                # Dynamo failed on the layers traced once, e.g. a region traced with layer 0's
+                # data-dependent size guarding on layer 1's (a mixture of experts' routing):
+                # trace every layer instead. (A failure while running, such as a bad token id,
+                # is the user's and is raised as without regions.)
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 return self._trace_every_layer(f"{type(e).__name__}: {first}", args, kwargs)
             raise

@@ -1,0 +1,63 @@
+"""Breakers for the regions=True fixes (0bee5ad, a655dcb, c03970b).
+
+Found (c03970b, sp_module.forward): with layers marked for Dynamo to trace once, ANY exception
+that is not an AutospError -- including a genuine user error at run time -- is taken for a
+failure of the trace-once path: the layers are unmarked for good, a misleading
+"[autosp:capture] Dynamo could not trace the repeated layers ... once per class" warning is
+emitted, the model is compiled a second time (63 s against 13.5 s without regions on 2 cores)
+and run again, and only then does the user's error surface. Later good calls run without
+regions (compiled.traced_once == []). Reproduced with autosp's own bad-index check (a
+RuntimeError from torch._assert_async, ids outside the vocabulary): without regions the same
+error is raised at once, with no warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from distributed import make_batch, run_ranks, tiny_config
+
+
+def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
+    import autosp
+    from autosp.models.llama import LlamaForCausalLM
+
+    mesh = autosp.init_mesh(world)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(4, 2, num_layers=2))
+    ids, labels = make_batch(128, 2, 32, seed=1)
+    compiled = autosp.compile(model, mesh, remat="none", backend="aot_eager", regions=regions)
+    marked = list(compiled.traced_once)
+    bad = ids.clone()
+    bad[0, 0] = 10_000  # outside the vocabulary, on every rank alike
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            compiled(bad, labels)
+            error = ""
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+    compiled(ids, labels).backward()  # a good call afterwards still works
+    return {"marked": marked, "error": error, "traced_once_after": list(compiled.traced_once),
+            "warnings": [str(w.message) for w in caught if "[autosp:" in str(w.message)]}
+
+
+def test_bad_input_without_regions_is_reported_at_once() -> None:
+    """Guard (held): without regions the bad index is raised on both ranks, with no warning."""
+    for rank, r in enumerate(run_ranks(2, _worker, False, timeout=300.0)):
+        assert "found an index outside [0, 128)" in r["error"], (rank, r)
+        assert not r["warnings"], (rank, r["warnings"])
+
+
+def test_bad_input_with_regions_is_reported_like_without() -> None:
+    """FAILS at 81b1913: with regions=True the user's bad input is taken for a trace-once
+    failure: warned about as Dynamo failing to trace the layers once per class, compiled a
+    second time, and the layers stay unmarked for every later call."""
+    for rank, r in enumerate(run_ranks(2, _worker, True, timeout=300.0)):
+        assert r["marked"] == ["layers.0", "layers.1"], (rank, r)
+        assert "found an index outside [0, 128)" in r["error"], (rank, r)
+        assert not r["warnings"], (rank, r["warnings"])
+        assert r["traced_once_after"] == r["marked"], (rank, r)
