@@ -16,11 +16,17 @@ OFFLOAD_ALL = "sequence-aware + offload all + tiled loss"
 # regions=True with an Offload policy: the layers stay inline so that their hidden states are
 # offloaded (outlined, each region kept its own: no copies at all; found 2026-12-04).
 OFFLOAD_REGIONS = "sequence-aware + offload, regions=True"
+# A MemoryBudget with regions=True: the layers stay inline and the budget holds for the whole
+# graph (outlined, each region was held to the whole budget and the calling graph to it for what
+# the regions save: a budget the flat compile meets was refused; found 2026-12-04).
+BUDGET, BUDGET_REGIONS = "budget 0.6", "budget 0.6, regions=True"
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
+    import torch
+
     import autosp
-    from autosp.remat import Offload, RematReport
+    from autosp.remat import MemoryBudget, Offload, RematReport
 
     # Wide enough MLPs and a long enough S that the solvers' choices differ.
     cfg = tiny_config(num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=256)
@@ -30,13 +36,16 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     runs = [(p, p, False) for p in POLICIES]
     runs += [(OFFLOAD, Offload("sequence-aware"), False), (OFFLOAD_TILED, Offload(), True),
              (OFFLOAD_ALL, Offload(saved="all"), True),
-             (OFFLOAD_REGIONS, Offload("sequence-aware"), False)]
+             (OFFLOAD_REGIONS, Offload("sequence-aware"), False),
+             (BUDGET, MemoryBudget(fraction=0.6), False),
+             (BUDGET_REGIONS, MemoryBudget(fraction=0.6), False)]
     for name, policy, tile in runs:
+        torch._dynamo.reset()  # 9 compiles of one forward exceed Dynamo's recompile limit
         model = build_model(cfg)
         ref_loss, ref_grads = reference_loss_and_grads(model, ids, labels)
         report = RematReport()
         cm = autosp.compile(model, mesh=mesh, backend="aot_eager", remat=policy, remat_report=report,
-                            tile_loss=tile, regions=name == OFFLOAD_REGIONS)
+                            tile_loss=tile, regions=name in (OFFLOAD_REGIONS, BUDGET_REGIONS))
         loss = cm(ids, labels)
         loss.backward()
         collectives = [n for g in report.graphs for n in g.nodes if "c10d" in n.target]
@@ -45,6 +54,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             "offloaded": sum(g.offloaded_bytes for g in report.graphs),
             "loss": loss.item(), "ref_loss": ref_loss, "grads": grads_of(model), "ref_grads": ref_grads,
             "saved": report.saved_bytes,
+            "none_saved": sum(g.none_saved_bytes for g in report.graphs if not g.calls),
             "collective_fates": sorted({n.fate for n in collectives}),
             "n_collectives": len(collectives),
             "outlined": cm.last_compile.outlined if cm.last_compile else None,
@@ -54,7 +64,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_policies_exact_and_never_recompute_collectives() -> None:
     for r in run_ranks(2, _worker):
-        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED, OFFLOAD_ALL, OFFLOAD_REGIONS):
+        for policy in (*POLICIES, OFFLOAD, OFFLOAD_TILED, OFFLOAD_ALL, OFFLOAD_REGIONS, BUDGET,
+                       BUDGET_REGIONS):
             p = r[policy]
             assert abs(p["loss"] - p["ref_loss"]) <= 1e-5 * abs(p["ref_loss"]), (policy, p["loss"], p["ref_loss"])
             assert_grads_close(p["grads"], p["ref_grads"], rtol=1e-4, context=policy)
@@ -68,6 +79,8 @@ def test_policies_exact_and_never_recompute_collectives() -> None:
         assert r[OFFLOAD_TILED]["offload_copies"] == 2
         assert r[OFFLOAD_REGIONS]["offload_copies"] == 2, r[OFFLOAD_REGIONS]["outlined"]
         assert "remat=Offload" in r[OFFLOAD_REGIONS]["outlined"][0]
+        assert r[BUDGET_REGIONS]["saved"] == r[BUDGET]["saved"] <= 0.6 * r[BUDGET]["none_saved"]
+        assert "remat=MemoryBudget" in r[BUDGET_REGIONS]["outlined"][0]
         # Offloading all a layer saves: the same saved set, more of it on the host.
         assert r[OFFLOAD_ALL]["saved"] == r[OFFLOAD_TILED]["saved"]
         assert r[OFFLOAD_ALL]["offload_copies"] > 2

@@ -235,7 +235,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     (``layers.3``) whose class has two or more instances is given a subclass of its class with
     a ``nested_compile_region`` forward (autosp.dynamo_regions; ``.traced_once`` lists them).
     ``SequenceParallelModule.last_compile.outlined`` says which layers call which subgraph,
-    or why one stays inline (with ``remat=Offload(...)`` all do: offloading needs the flat graph).
+    or why one stays inline (with ``remat=Offload(...)`` or a ``MemoryBudget`` all do: offloading
+    and a budget are decided over the whole graph; autosp.outline.whole_graph_policy).
 
     ``tile_mlp``: run each row-wise block (an MLP or SwiGLU: linears and elementwise ops whose
     intermediates nothing else reads) a chunk of tokens at a time, recomputing each chunk in

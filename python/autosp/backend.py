@@ -213,18 +213,15 @@ class SequenceParallelBackend:
                 rec.example_inputs = list(example_inputs)
                 rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False),
                                         time.perf_counter() - t2))
-            if self.regions and isinstance(self.remat, Offload):
-                # Offloading moves each layer's hidden state to the host across the whole
-                # graph's partition; a region is partitioned on its own and would keep it.
-                rec.outlined = ["no layer outlined: remat=Offload(...) offloads the hidden "
-                                "state each layer hands on, which an outlined layer keeps"]
-            elif self.regions:
+            if self.regions:
                 with stage("outline"):
-                    from autosp.outline import outline_layers
+                    from autosp.outline import outline_layers, whole_graph_policy
 
-                    rec.outlined = outline_layers(new_gm)
-                    rec.stages.append(Stage("outlined", new_gm.print_readable(
-                        print_output=False), 0.0))
+                    why_flat = whole_graph_policy(self.remat)
+                    rec.outlined = [why_flat] if why_flat else outline_layers(new_gm)
+                    if not why_flat:
+                        rec.stages.append(Stage("outlined", new_gm.print_readable(
+                            print_output=False), 0.0))
         finally:
             self._dump(rec)
         def compile_fn(gm: fx.GraphModule, inputs: list[Any]) -> Callable:

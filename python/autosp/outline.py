@@ -17,7 +17,9 @@ buffer reuse (autosp.remat.compile_joint), which that assumption broke.
 
 Remat decisions are then made per region, not per layer: every outlined layer saves what one
 layer saves when solved alone. That is exact, but it is not what the flat solve of
-``"sequence-aware"`` gives when its FLOP allowance ends part-way through the layers.
+``"sequence-aware"`` gives when its FLOP allowance ends part-way through the layers (a region
+then recomputes less, never more). A policy that decides over the whole graph keeps every layer
+inline (``whole_graph_policy``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,24 @@ from autosp.bridge import _is_inplace
 from autosp.canon import target_name
 from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
+from autosp.remat_policy import MemoryBudget, Offload
 
 _SIZE_ARITHMETIC = (operator.mul, operator.floordiv, operator.add, operator.sub,
                     operator.truediv, operator.mod, operator.neg)
+
+
+def whole_graph_policy(remat: Any) -> str | None:
+    """Why no layer may be outlined under remat policy ``remat``, or None. A region is
+    partitioned on its own joint graph, so a policy whose decision is one for the whole graph
+    would be applied to each region and to the calling graph separately."""
+    if isinstance(remat, Offload):
+        return ("no layer outlined: remat=Offload(...) offloads the hidden state each layer "
+                "hands on, which an outlined layer keeps")
+    if isinstance(remat, MemoryBudget):
+        return ("no layer outlined: remat=MemoryBudget(...) caps the saved bytes of the whole "
+                "graph; each region would be held to the whole budget alone, and the calling "
+                "graph to it for what every region saves")
+    return None
 
 
 def _reads_inner_size(node: fx.Node, inside: set[fx.Node]) -> bool:
