@@ -19,7 +19,10 @@ hand-written Ulysses model (bench/ulysses_handwritten.py) under plain ``torch.co
 static (torch.compile's default for an unmarked input) and with S marked dynamic. Ratios are
 printed against the hand-written model in the same mode. ``autosp-static-regions`` has Dynamo trace each class of
 layers once (autosp.dynamo_regions, PyTorch 2.13 and later); ``autosp-static-regions-every-layer``
-is the same compile with Dynamo tracing every layer.
+is the same compile with Dynamo tracing every layer. ``floor`` is ``torch.compile`` of a one-op
+function (``sin``, forward and backward) in the same process set-up: the least any first call
+of ``torch.compile`` costs on this machine (Dynamo, AOTAutograd and Inductor's start-up, cache
+lookups, one kernel), against which the other rows' compile work is what lies above it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import tempfile
 import time
 
 CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
-           "autosp-static-regions", "autosp-static-regions-every-layer")
+           "autosp-static-regions", "autosp-static-regions-every-layer", "floor")
 
 
 def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
@@ -54,7 +57,10 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)
     start = time.perf_counter()
-    if which.startswith("autosp"):
+    if which == "floor":
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        torch.compile(torch.sin)(x).sum().backward()
+    elif which.startswith("autosp"):
         if which.endswith("-every-layer"):  # regions, but Dynamo traces every layer
             import autosp.dynamo_regions
 
@@ -131,6 +137,14 @@ def main() -> None:
         ratio(f"autosp-{mode}", f"handwritten-{mode}", f"autosp / hand-written, S {mode}")
     ratio("autosp-static-regions", "handwritten-static", "autosp regions=True / hand-written, S static")
     ratio("autosp-static", "autosp-dynamic", "autosp dynamic=False / dynamic=True")
+    for mode in ("static", "dynamic"):
+        ratio(f"handwritten-{mode}", "floor", f"hand-written, S {mode} / floor (a one-op torch.compile)")
+    ratio("autosp-static-regions", "floor", "autosp regions=True / floor")
+    if "handwritten-static" in results and "floor" in results:
+        goal, floor = 0.5 * results["handwritten-static"][1][0], results["floor"][1][0]
+        print(f"issue 12's warm goal, 0.5x the hand-written model's warm call: {goal:.2f} s; "
+              f"a one-op torch.compile's warm call here: {floor:.2f} s "
+              f"({'below' if goal < floor else 'above'} what any torch.compile first call takes)")
 
 if __name__ == "__main__":
     main()
