@@ -23,6 +23,9 @@ is the same compile with Dynamo tracing every layer. ``floor`` is ``torch.compil
 function (``sin``, forward and backward) in the same process set-up: the least any first call
 of ``torch.compile`` costs on this machine (Dynamo, AOTAutograd and Inductor's start-up, cache
 lookups, one kernel), against which the other rows' compile work is what lies above it.
+``floor-precompile`` is the same function through PyTorch's precompile: cold,
+``torch.compile(fn, fullgraph=True).aot_compile(...)`` and ``save_compiled_function`` into the
+cache directory; warm, ``torch.compiler.load_compiled_function`` from it (PyTorch 2.13).
 """
 
 from __future__ import annotations
@@ -33,9 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
-           "autosp-static-regions", "autosp-static-regions-every-layer", "floor")
+           "autosp-static-regions", "autosp-static-regions-every-layer", "floor", "floor-precompile")
+
+
+def _one_op(x: Any) -> Any:
+    return x.sin()
 
 
 def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
@@ -60,6 +68,16 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
     if which == "floor":
         x = torch.randn(4, 8, device=device, requires_grad=True)
         torch.compile(torch.sin)(x).sum().backward()
+    elif which == "floor-precompile":
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        saved = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "floor_precompiled.pt")
+        if os.path.exists(saved):
+            with open(saved, "rb") as f:
+                fn = torch.compiler.load_compiled_function(f)
+        else:
+            fn = torch.compile(_one_op, fullgraph=True).aot_compile(((x,), {}))
+            fn.save_compiled_function(saved)
+        fn(x).sum().backward()
     elif which.startswith("autosp"):
         if which.endswith("-every-layer"):  # regions, but Dynamo traces every layer
             import autosp.dynamo_regions
@@ -140,6 +158,7 @@ def main() -> None:
     for mode in ("static", "dynamic"):
         ratio(f"handwritten-{mode}", "floor", f"hand-written, S {mode} / floor (a one-op torch.compile)")
     ratio("autosp-static-regions", "floor", "autosp regions=True / floor")
+    ratio("floor-precompile", "floor", "precompile (saved, then loaded) / floor")
     if "handwritten-static" in results and "floor" in results:
         goal, floor = 0.5 * results["handwritten-static"][1][0], results["floor"][1][0]
         print(f"issue 12's warm goal, 0.5x the hand-written model's warm call: {goal:.2f} s; "
