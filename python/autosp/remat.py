@@ -170,17 +170,20 @@ def compile_joint(
     partition_fn = make_partition_fn(
         policy, recompute_flops_ratio=recompute_flops_ratio, report=report
     )
+    from autosp.outline import regions_known_pure
+
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
 
         from autosp.backend import eager_graph
 
-        return aot_autograd(
-            fw_compiler=eager_graph,
-            bw_compiler=eager_graph,
-            partition_fn=partition_fn,
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
+        with regions_known_pure(gm):
+            return aot_autograd(
+                fw_compiler=eager_graph,
+                bw_compiler=eager_graph,
+                partition_fn=partition_fn,
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
 
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
@@ -210,7 +213,8 @@ def compile_joint(
     outlined = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     with inductor_config.patch(custom_partitioner_fn=partitioner,
                                unsafe_marked_cacheable_functions=cacheable,
-                               **({"allow_buffer_reuse": False} if outlined else {})):
+                               **({"allow_buffer_reuse": False} if outlined else {})), \
+            regions_known_pure(gm):
         before = len(report.graphs) if report is not None else 0
         compiled = compile_fx(gm, example_inputs)
     if key is None:
