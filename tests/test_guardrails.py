@@ -308,6 +308,36 @@ def test_recompile_limit_is_explained() -> None:
         assert out[3] == ("ok", ""), out[3]
 
 
+def _instances_worker(rank: int, world: int) -> list[tuple[str, str]]:
+    cfg = _cfg()
+    ids, labels = make_batch(cfg.vocab_size, 1, SEQ)
+    torch._dynamo.config.recompile_limit = 2
+    out = []
+    for _ in range(3):  # three instances of one class, each called once with the same batch
+        model = autosp.compile(build_model(cfg), autosp.init_mesh(world), backend="aot_eager",
+                               remat="none")
+        out.append(_outcome(lambda: model(ids, labels)))
+    torch._dynamo.reset()  # what the message advises
+    out.append(_outcome(lambda: model(ids, labels)))
+    return out
+
+
+def test_recompile_limit_reached_by_other_instances_is_explained() -> None:
+    """The limit counts the graphs of one forward's code, so new instances of a model class
+    reach it although each is called with one batch shape (a notebook rebuilding its model):
+    the message said 'this module has been called with 1 distinct batch shapes' and advised
+    padding the batch. Found 2026-12-04."""
+    for out in run_ranks(2, _instances_worker, timeout=TIMEOUT_S):
+        assert out[0] == ("ok", "") and out[1] == ("ok", ""), out
+        kind, msg = out[2]
+        assert kind == "AutospError", out[2]
+        assert msg.startswith("[autosp:recompile] found Dynamo's recompile limit reached for "), msg
+        assert "called with only 1 distinct batch shapes" in msg, msg
+        assert "other instances of" in msg and "torch._dynamo.reset()" in msg, msg
+        assert "pad the batch" not in msg, msg
+        assert out[3] == ("ok", ""), out[3]
+
+
 # --------------------------------------------------------------------------------------
 # 3. Arguments, masks and the process group.
 

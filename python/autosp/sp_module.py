@@ -248,6 +248,21 @@ class SequenceParallelModule(nn.Module):
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         call = ", ".join(f"{leaf.name} {guard.describe_tensor(leaf.value.shape, leaf.value.dtype)}"
                          for leaf in leaves if isinstance(leaf.value, torch.Tensor))
+        seen = len(self._signatures)
+        if limit is not None and seen <= limit:
+            # Dynamo counts the graphs of a code object, not of a module: other instances of the
+            # class (or earlier autosp.compile calls on them) used up the limit.
+            cls = type(self.module).__qualname__
+            return AutospError(
+                f"[autosp:recompile] found Dynamo's recompile limit reached for {cls}.forward "
+                f"(this call: {call}, training={self.module.training}), although this module has "
+                f"been called with only {seen} distinct batch shapes, dtypes and train modes: "
+                "Dynamo counts the graphs of every module whose forward is this code in the "
+                f"process (other instances of {cls}, or earlier autosp.compile calls on them), "
+                f"and stops at torch._dynamo.config.recompile_limit = {limit}. Expected at most "
+                f"{limit} compiles of one forward per process: call torch._dynamo.reset() before "
+                "compiling a new instance (it drops every compiled graph of the process), or raise "
+                "torch._dynamo.config.recompile_limit.")
         return AutospError(
             "[autosp:recompile] found one input signature too many for the model's forward (this "
             f"call: {call}, training={self.module.training}; this module has been called with "
