@@ -20,7 +20,7 @@ from autosp import _core
 from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
 from autosp.decompose import decompose_composites
-from autosp.dynamo_regions import inline_regions
+from autosp.dynamo_regions import RegionReuseError, inline_regions
 from autosp.errors import AutospError, AutospGatherWarning, stage
 from autosp.remat_policy import AUTO, BACKENDS, MemoryBudget, Offload  # names defined once
 from autosp.specialize import PerShapeCompiled
@@ -140,6 +140,9 @@ class SequenceParallelBackend:
         self.regions = regions
         self.remat_report = remat_report
         self.records: list[CompileRecord] = []
+        # With layers marked for Dynamo to trace once: which one is no longer alike the others
+        # (autosp.dynamo_regions.marked_apart), asked before each compile; set by the module.
+        self.layers_apart: Callable[[], str | None] | None = None
 
     @property
     def last(self) -> CompileRecord:
@@ -174,6 +177,8 @@ class SequenceParallelBackend:
         rec.stages.append(Stage("dynamo", gm.print_readable(print_output=False), 0.0))
         try:  # dump what was produced, also when a stage fails (AUTOSP_DUMP_DIR)
             with stage("inline"):  # layers Dynamo traced once (autosp.dynamo_regions)
+                if self.layers_apart is not None and (why := self.layers_apart()):
+                    raise RegionReuseError(why)
                 rec.traced_once = inline_regions(gm)
             with stage("decompose"):
                 rec.decomposed = decompose_composites(gm)

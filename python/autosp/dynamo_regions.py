@@ -181,6 +181,25 @@ def mark_layers(model: nn.Module) -> list[str]:
     return sorted(marked, key=order.__getitem__)
 
 
+def marked_apart(model: nn.Module) -> str | None:
+    """Which marked layer is no longer alike the first marked layer of its class (its
+    ``layer_signature`` changed after ``mark_layers``: a hook, a submodule or a function
+    attribute set on one layer after ``autosp.compile``), or None. Dynamo's reuse guards do not
+    check those, so a trace made now would give that layer the first layer's; the caller traces
+    every layer instead."""
+    first: dict[type, tuple[str, tuple]] = {}
+    for path, mod in numbered_layers(model):
+        if _MARK not in vars(type(mod)):
+            continue
+        signature = layer_signature(mod)
+        seen = first.setdefault(type(mod), (path, signature))
+        if signature != seen[1]:
+            return (f"{path} is no longer alike {seen[0]} (a hook, submodule or function "
+                    "attribute set on one of them after autosp.compile, which Dynamo's reuse "
+                    "guards do not check)")
+    return None
+
+
 def unmark_layers(model: nn.Module) -> None:
     """Undoes mark_layers."""
     for mod in model.modules():

@@ -5,6 +5,7 @@ from capture and compilation become AutospErrors. Re-exported by ``autosp.api``.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from typing import Any
@@ -102,6 +103,8 @@ class SequenceParallelModule(nn.Module):
         self.traced_once: list[str] = []
         if getattr(sp_backend, "regions", False) and not shard.is_sharded(model):
             self.traced_once = dynamo_regions.mark_layers(model)
+        if self.traced_once:
+            sp_backend.layers_apart = functools.partial(dynamo_regions.marked_apart, model)
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
         self.remat_choice: Any = None  # what remat="auto" chose (autosp.remat_auto.AutoChoice)
         self._dp_hooks = []
@@ -238,6 +241,7 @@ class SequenceParallelModule(nn.Module):
         unmark them, say so, and compile again tracing every layer (autosp.outline still
         compiles alike layers once)."""
         dynamo_regions.unmark_layers(self.module)
+        self.sp_backend.layers_apart = None
         warnings.warn(f"[autosp:capture] Dynamo could not trace the repeated layers "
                       f"({', '.join(self.traced_once[:3])}, ...) once per class: {why}; "
                       "tracing every layer instead.", stacklevel=3)
