@@ -3,6 +3,7 @@ one ``invoke_subgraph`` subgraph each, and training stays exact."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
@@ -96,6 +97,8 @@ def _layers_graph(interloper: str) -> tuple[torch.fx.GraphModule, list[torch.Ten
                 a = _tag(g.call_function(torch.add, (a, noise)), "layers.0.mlp")
             elif interloper == "other-layer":
                 a = _tag(g.call_function(torch.neg, (a,)), "layers.1.mlp")
+        if interloper == "setitem":  # every layer writes into its operand: h[0] = 0.0
+            _tag(g.call_function(operator.setitem, (h, 0, 0.0)), f"layers.{i}.mlp")
         b = _tag(g.call_function(torch.add, (a, shared)), f"layers.{i}.mlp")
         h = _tag(g.call_function(torch.relu, (b,)), f"layers.{i}")
         if interloper == "view-output":  # each layer hands on a view (one no list named)
@@ -137,6 +140,21 @@ def test_layer_that_cannot_be_gathered_stays_inline(interloper: str, why: str) -
     result = gm(*[a.clone() for a in args])
     if interloper not in ("random", "bernoulli"):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+def test_layer_writing_into_its_operand_by_index_stays_inline() -> None:
+    """``x[i] = v`` (``operator.setitem``) writes into the layer's operand as ``x.mul_`` does,
+    but was not counted as in place: the layer was outlined and AOTAutograd's trace of the
+    region failed ("a leaf Variable that requires grad is being used in an in-place
+    operation"), an internal error (breaker helper-39, 2026-12-04)."""
+    from autosp.outline import outline_layers
+
+    gm, args = _layers_graph("setitem")
+    expected = gm(*[a.clone() for a in args])
+    lines = outline_layers(gm)
+    assert all(line.startswith(f"layers.{i}: not outlined: it writes in place (setitem")
+               for i, line in enumerate(lines)) and len(lines) == 3, lines
+    torch.testing.assert_close(gm(*[a.clone() for a in args]), expected, rtol=0, atol=0)
 
 
 def test_layer_handing_on_a_view_stays_inline() -> None:

@@ -77,6 +77,13 @@ def _is_inplace(node: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes into a tensor it reads: an in-place op (``_is_inplace``) or an
+    indexed assignment ``x[i] = v`` (``operator.setitem``, which canon reads as a
+    ``masked_fill`` or keeps as it is)."""
+    return _is_inplace(node) or node.target is operator.setitem
+
+
 def _target_text(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, str):

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from autosp.bridge import _is_inplace
+from autosp.bridge import writes_in_place
 from autosp.canon import target_name
 from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
@@ -146,7 +146,7 @@ class _Region:
                 # made inside: AOTAutograd's trace of the subgraph loses track of the symbol
                 # (nn.TransformerEncoder's decomposed attention, dynamic S).
                 return f"it computes a size from one of its own tensors' sizes ({n.name})"
-            if _is_inplace(n):
+            if writes_in_place(n):
                 return f"it writes in place ({n.name})"
         for a in self.operands:
             if _operand_kind(a) is None:
@@ -187,7 +187,7 @@ class _Region:
 def _movable(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module"):
         return False
-    if _is_inplace(node) or is_random(_name(node)):
+    if writes_in_place(node) or is_random(_name(node)):
         return False
     try:
         return not node.is_impure()
