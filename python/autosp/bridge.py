@@ -65,7 +65,8 @@ def _is_inplace(node: fx.Node) -> bool:
         return t._schema.is_mutable
     name = getattr(t, "__name__", "")
     if getattr(t, "__module__", "") in ("_operator", "operator"):
-        return name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior")
+        return name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                        "ixor", "ilshift", "irshift", "imatmul")
     if name.endswith("_") and not name.startswith("_"):
         return True
     if node.kwargs.get("inplace") is True:
@@ -75,6 +76,29 @@ def _is_inplace(node: fx.Node) -> bool:
     except (TypeError, ValueError):  # a builtin without a signature, or not bindable
         return False
     return bound.arguments.get("inplace") is True
+
+
+def _refuse_hidden_write(node: fx.Node) -> None:
+    """Writes the plan would not see, so would drop with their unused results (silently
+    wrong, found by breaker helper-40): a result written through ``out=``, and a training
+    ``batch_norm`` called only to update its running statistics."""
+    found = expected = ""
+    if isinstance(node.kwargs.get("out"), (fx.Node, tuple, list)):
+        found = "a result written through out="
+        expected = ("the result assigned instead (buf.copy_(torch.mul(a, b)) is an in-place write, "
+                    "which autosp keeps)")
+    elif not node.users and "batch_norm" in getattr(node.target, "__name__", ""):
+        try:
+            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        except (TypeError, ValueError):
+            bound = {}
+        if bound.get("training") is True and bound.get("running_mean") is not None:
+            found = "a training batch_norm whose result is unused (called for its running statistics)"
+            expected = "its result used, as nn.BatchNorm uses it"
+    if found:
+        raise AutospError(f"[autosp:bridge] op '{_target_text(node)}' at {source_loc(node)}: found "
+                          f"{found}, a write autosp's plan does not see and would drop; expected "
+                          f"{expected}.")
 
 
 def writes_in_place(node: fx.Node) -> bool:
@@ -309,6 +333,7 @@ class _Converter:
         if node.op == "get_attr":
             self.add_node(node, "input", [], {"role": "const", "name": str(node.target)})
             return
+        _refuse_hidden_write(node)
         op, inputs, attrs = canonicalize(node)
         inputs = [(n, p) for n, p in inputs if n is None or n in self.res.value_of]
         used = {n for n, _ in inputs}
