@@ -322,6 +322,18 @@ def _instances_worker(rank: int, world: int) -> list[tuple[str, str]]:
     return out
 
 
+def _grad_modes_worker(rank: int, world: int) -> tuple[str, str]:
+    cfg = _cfg()
+    model = autosp.compile(build_model(cfg), autosp.init_mesh(world), backend="aot_eager", remat="none")
+    torch._dynamo.config.recompile_limit = 2
+    ids, labels = make_batch(cfg.vocab_size, 1, SEQ)
+    model(ids, labels)
+    with torch.no_grad():  # one module: a graph per grad mode, then a second batch size
+        model(ids, labels)
+        ids, labels = make_batch(cfg.vocab_size, 2, SEQ)
+        return _outcome(lambda: model(ids, labels))
+
+
 def test_recompile_limit_reached_by_other_instances_is_explained() -> None:
     """The limit counts the graphs of one forward's code, so new instances of a model class
     reach it although each is called with one batch shape (a notebook rebuilding its model):
@@ -335,7 +347,12 @@ def test_recompile_limit_reached_by_other_instances_is_explained() -> None:
         assert "called with only 1 distinct batch shapes" in msg, msg
         assert "other instances of" in msg and "torch._dynamo.reset()" in msg, msg
         assert "pad the batch" not in msg, msg
+        assert "3 autosp.compile calls of it in this process" in msg, msg
         assert out[3] == ("ok", ""), out[3]
+    # One module alone (a graph per grad mode): not blamed on other instances.
+    for kind, msg in run_ranks(2, _grad_modes_worker, timeout=TIMEOUT_S):
+        assert kind == "AutospError" and msg.startswith(
+            "[autosp:recompile] found one input signature too many"), (kind, msg)
 
 
 # --------------------------------------------------------------------------------------

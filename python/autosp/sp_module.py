@@ -5,6 +5,7 @@ from capture and compilation become AutospErrors. Re-exported by ``autosp.api``.
 
 from __future__ import annotations
 
+import collections
 import functools
 import numbers
 import warnings
@@ -69,6 +70,11 @@ def _logging_functions() -> set:
     return found
 
 
+#: How many autosp.compile calls compiled each forward's code in this process: Dynamo's
+#: recompile limit counts the graphs of a code object, whichever module they are for.
+_COMPILES_OF_CODE: collections.Counter = collections.Counter()
+
+
 class SequenceParallelModule(nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
     full-length and identical on every rank of the SP group.
@@ -93,6 +99,8 @@ class SequenceParallelModule(nn.Module):
         self._capture_data_dependent = False
         self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group)
         self._signatures: dict[tuple, None] = {}  # distinct shapes (S aside), dtypes, train mode
+        self._code = getattr(getattr(model.forward, "__func__", model.forward), "__code__", None)
+        _COMPILES_OF_CODE[self._code] += 1
         # Not registered as a submodule: the parameters and state_dict are the model's,
         # under "module." as with DistributedDataParallel.
         object.__setattr__(self, "_compiled",
@@ -253,13 +261,15 @@ class SequenceParallelModule(nn.Module):
         call = ", ".join(f"{leaf.name} {guard.describe_tensor(leaf.value.shape, leaf.value.dtype)}"
                          for leaf in leaves if isinstance(leaf.value, torch.Tensor))
         seen = len(self._signatures)
-        if limit is not None and seen <= limit:
+        if limit is not None and seen <= limit and _COMPILES_OF_CODE[self._code] > 1:
             # Dynamo counts the graphs of a code object, not of a module: other instances of the
             # class (or earlier autosp.compile calls on them) used up the limit.
             cls = type(self.module).__qualname__
             return AutospError(
                 f"[autosp:recompile] found Dynamo's recompile limit reached for {cls}.forward "
-                f"(this call: {call}, training={self.module.training}), although this module has "
+                f"(this call: {call}, training={self.module.training}; "
+                f"{_COMPILES_OF_CODE[self._code]} autosp.compile calls of it in this process), "
+                "although this module has "
                 f"been called with only {seen} distinct batch shapes, dtypes and train modes: "
                 "Dynamo counts the graphs of every module whose forward is this code in the "
                 f"process (other instances of {cls}, or earlier autosp.compile calls on them), "
