@@ -4,6 +4,8 @@
   to update its running statistics, were dropped with their unused results: buffers never
   updated, loss and gradients off (68%), no warning, with or without regions. Now refused,
   naming the op and the source line.
+- A training ``F.batch_norm`` whose result is used writes its running statistics in place:
+  with ``regions=True`` its layer stays inline (autosp's regions write nothing).
 - ``self.bits ^= 1`` (``operator.ixor``; also ``<<=``, ``>>=``, ``@=``) was not counted as in
   place: with ``regions=True`` the layer was outlined and the compile failed with an internal
   error. Now kept inline, exact.
@@ -38,6 +40,9 @@ class _Block(nn.Module):
         elif self.form == "batch_norm_stats":
             F.batch_norm(self.fc.weight.detach(), self.buf, self.rv, training=True, momentum=0.5)
             x = x + self.buf
+        elif self.form == "batch_norm_used":  # its running statistics written in place
+            w = F.batch_norm(self.fc.weight.detach(), self.buf, self.rv, training=True, momentum=0.5)
+            x = x + w.sum(0)
         elif self.form == "ixor":
             self.bits ^= 1
             x = x + self.bits.to(x.dtype)
@@ -64,7 +69,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mesh = autosp.init_mesh(world)
     ids, labels = make_batch(V, 2, 16, seed=1)
     out: dict[str, Any] = {}
-    for form, regions in (("out", False), ("batch_norm_stats", False), ("ixor", True)):
+    for form, regions in (("out", False), ("batch_norm_stats", False), ("ixor", True),
+                          ("batch_norm_used", True)):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = _LM(form)
@@ -72,6 +78,11 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         try:
             out[form] = step_against_reference(model, compiled, ids, labels)
             out[form]["outlined"] = compiled.last_compile.outlined
+            out[form]["buffers"] = [b.clone() for b in model.buffers()]
+            torch.manual_seed(0)  # the same step on one device: the running statistics match
+            ref = _LM(form)
+            ref(ids, labels).backward()
+            out[form]["ref_buffers"] = [b.clone() for b in ref.buffers()]
         except autosp.AutospError as e:
             out[form] = {"error": str(e)}
     return out
@@ -89,3 +100,11 @@ def test_hidden_writes_are_refused_and_in_place_xor_stays_inline() -> None:
         assert_step_exact(r["ixor"], f"rank {rank}, ixor with regions")
         assert all("not outlined: it writes in place (ixor" in line
                    for line in r["ixor"]["outlined"]), r["ixor"]["outlined"]
+        # A training batch_norm writes its statistics: the layer stays inline (autosp's regions
+        # write nothing, which outline.regions_known_pure relies on), exact, statistics too.
+        bn = r["batch_norm_used"]
+        assert_step_exact(bn, f"rank {rank}, batch_norm with regions")
+        assert all(line.endswith(": not outlined: it writes in place (w" + ("_1)" if i else ")"))
+                   for i, line in enumerate(bn["outlined"])), bn["outlined"]
+        for got, want in zip(bn["buffers"], bn["ref_buffers"]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -78,6 +78,17 @@ def _is_inplace(node: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
+def _writes_statistics(node: fx.Node) -> bool:
+    """A training ``batch_norm`` with running statistics: it writes them in place."""
+    if "batch_norm" not in getattr(node.target, "__name__", ""):
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+    except (TypeError, ValueError):
+        return False
+    return bound.get("training") is True and bound.get("running_mean") is not None
+
+
 def _refuse_hidden_write(node: fx.Node) -> None:
     """Writes the plan would not see, so would drop with their unused results (silently
     wrong, found by breaker helper-40): a result written through ``out=``, and a training
@@ -87,14 +98,9 @@ def _refuse_hidden_write(node: fx.Node) -> None:
         found = "a result written through out="
         expected = ("the result assigned instead (buf.copy_(torch.mul(a, b)) is an in-place write, "
                     "which autosp keeps)")
-    elif not node.users and "batch_norm" in getattr(node.target, "__name__", ""):
-        try:
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
-        except (TypeError, ValueError):
-            bound = {}
-        if bound.get("training") is True and bound.get("running_mean") is not None:
-            found = "a training batch_norm whose result is unused (called for its running statistics)"
-            expected = "its result used, as nn.BatchNorm uses it"
+    elif not node.users and _writes_statistics(node):
+        found = "a training batch_norm whose result is unused (called for its running statistics)"
+        expected = "its result used, as nn.BatchNorm uses it"
     if found:
         raise AutospError(f"[autosp:bridge] op '{_target_text(node)}' at {source_loc(node)}: found "
                           f"{found}, a write autosp's plan does not see and would drop; expected "
@@ -102,10 +108,11 @@ def _refuse_hidden_write(node: fx.Node) -> None:
 
 
 def writes_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` writes into a tensor it reads: an in-place op (``_is_inplace``) or an
+    """Whether ``node`` writes into a tensor it reads: an in-place op (``_is_inplace``), an
     indexed assignment ``x[i] = v`` (``operator.setitem``, which canon reads as a
-    ``masked_fill`` or keeps as it is)."""
-    return _is_inplace(node) or node.target is operator.setitem
+    ``masked_fill`` or keeps as it is), or a training ``batch_norm`` updating its running
+    statistics."""
+    return _is_inplace(node) or node.target is operator.setitem or _writes_statistics(node)
 
 
 def _target_text(node: fx.Node) -> str:
