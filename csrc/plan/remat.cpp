@@ -49,6 +49,11 @@ void validate(const RematGraph& graph, const RematOptions& options) {
       }
     }
   }
+  if (options.admitted && (options.policy != RematPolicy::kSequenceAware || options.budget_bytes ||
+                           options.budget_fraction)) {
+    throw std::invalid_argument(
+        "[remat] admitted matmuls are given only to policy sequence-aware without a budget");
+  }
   if (options.budget_bytes && options.budget_fraction) {
     throw std::invalid_argument("[remat] give a memory budget in bytes or as a fraction, not both");
   }
@@ -130,9 +135,7 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
   const auto n = static_cast<int32_t>(graph.nodes.size());
 
   RematSolution solution;
-  for (const RematNode& node : graph.nodes) {
-    if (node.kind == RematOpKind::kAttention) solution.attention_flops += node.flops;
-  }
+  solution.attention_flops = attention_flops(graph);
 
   // What policy 'none' saves: the budget's reference and the report's baseline. A graph whose
   // backward reads an unsaveable value has no 'none' partition; the baseline is then -1.
@@ -178,13 +181,25 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
       std::vector<bool> admitted(n, false);
       const bool has_budget = options.budget_bytes || options.budget_fraction;
       if (!has_budget) {
-        const double allowance = options.recompute_flops_ratio * solution.attention_flops;
-        double used = 0;
-        for (int32_t c : candidates) {
-          if (used + graph.nodes[c].flops <= allowance) {
+        if (options.admitted) {  // decided over a larger graph than this one
+          for (int32_t c : *options.admitted) {
+            if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) {
+              throw std::invalid_argument("[remat] an admitted matmul (node " + std::to_string(c) +
+                                          ") is not one sequence-aware may recompute");
+            }
             admitted[c] = true;
-            used += graph.nodes[c].flops;
           }
+        } else {
+          const std::vector<int32_t> in_order = matmul_candidates_in_graph_order(graph);
+          std::vector<double> flops;
+          std::vector<int64_t> bytes;
+          for (int32_t c : in_order) {
+            flops.push_back(graph.nodes[c].flops);
+            bytes.push_back(graph.nodes[c].bytes);
+          }
+          const std::vector<bool> chosen_ones =
+              admit_matmuls(flops, bytes, options.recompute_flops_ratio * solution.attention_flops);
+          for (size_t i = 0; i < in_order.size(); ++i) admitted[in_order[i]] = chosen_ones[i];
         }
         chosen = solve_with(admitted, chosen_bans);
       } else {
@@ -235,10 +250,12 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
       }
       for (int32_t c : candidates) {
         if (admitted[c]) {
+          solution.admitted.push_back(c);
           ++solution.admitted_matmuls;
           solution.admitted_matmul_flops += graph.nodes[c].flops;
         }
       }
+      std::sort(solution.admitted.begin(), solution.admitted.end());
       break;
     }
   }

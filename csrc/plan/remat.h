@@ -130,6 +130,11 @@ struct RematOptions {
   // Offload more: every saved tensor computed inside a numbered layer, not only what it hands to
   // the next (ALST offloads each layer's checkpoint likewise). Implies offload_layer_outputs.
   bool offload_layer_saved = false;
+  // Sequence-aware without a budget: the matmuls admitted (node indices, each one of
+  // matmul_candidates_in_graph_order), given instead of chosen within this graph's allowance.
+  // Set where the choice was made over more than this graph: a region of layers that one
+  // subgraph serves is decided over every call of it (python/autosp/remat_regions.py).
+  std::optional<std::vector<int32_t>> admitted;
 
   bool operator==(const RematOptions&) const = default;
 };
@@ -164,7 +169,8 @@ struct RematSolution {
   double attention_flops = 0;           // the step's attention FLOPs (sequence-aware reference)
   double admitted_matmul_flops = 0;     // forward FLOPs of the matmuls allowed to recompute
   int32_t admitted_matmuls = 0;
-  int64_t cut_value = 0;  // the min-cut value in capacity units
+  std::vector<int32_t> admitted;  // their node indices, ascending
+  int64_t cut_value = 0;          // the min-cut value in capacity units
   int32_t flow_vertices = 0;
   int32_t flow_edges = 0;
   int32_t solves = 0;                     // max-flow solves (several when searching a budget)
@@ -193,6 +199,22 @@ struct RematSolution {
 // recomputations meets the memory budget (the message gives the budget and the smallest
 // achievable saved bytes).
 RematSolution solve_remat(const RematGraph& graph, const RematOptions& options);
+
+// The graph's attention FLOPs (forward and backward): sequence-aware's allowance is a ratio
+// of them.
+double attention_flops(const RematGraph& graph);
+
+// The matmuls sequence-aware may admit for recomputation (forward, not must-save, with
+// FLOPs), in graph order. (solve_remat asks this of the graph after the ZeRO-3 rule above,
+// which changes no matmul.)
+std::vector<int32_t> matmul_candidates_in_graph_order(const RematGraph& graph);
+
+// Sequence-aware's choice among matmuls with forward `flops` and output `bytes` (in graph
+// order): in order of bytes saved per FLOP, most first (ties in graph order), each one that still
+// fits within `allowance` FLOPs with those admitted before it. solve_remat makes its choice
+// with this; autosp's regions make it over every call of a region (remat_regions.py).
+std::vector<bool> admit_matmuls(const std::vector<double>& flops, const std::vector<int64_t>& bytes,
+                                double allowance);
 
 const char* to_string(RematPolicy policy);
 const char* to_string(RematOpKind kind);

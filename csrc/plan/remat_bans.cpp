@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <queue>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -167,22 +168,28 @@ void default_bans(const Prepared& p, const RematOptions& options, Bans& bans) {
   }
 }
 
+std::vector<size_t> admission_order(const std::vector<double>& flops,
+                                    const std::vector<int64_t>& bytes) {
+  std::vector<size_t> order(flops.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    // bytes[a] / flops[a] > bytes[b] / flops[b], without dividing.
+    return static_cast<double>(bytes[a]) * flops[b] > static_cast<double>(bytes[b]) * flops[a];
+  });
+  return order;
+}
+
 // Matmuls the sequence-aware policy may recompute, most bytes saved per FLOP first.
 std::vector<int32_t> matmul_candidates(const RematGraph& graph) {
-  std::vector<int32_t> candidates;
-  for (int32_t i = 0; i < static_cast<int32_t>(graph.nodes.size()); ++i) {
-    const RematNode& node = graph.nodes[i];
-    if (node.required_fw && node.kind == RematOpKind::kMatmul && !node.must_save &&
-        node.flops > 0) {
-      candidates.push_back(i);
-    }
+  const std::vector<int32_t> in_order = matmul_candidates_in_graph_order(graph);
+  std::vector<double> flops;
+  std::vector<int64_t> bytes;
+  for (int32_t c : in_order) {
+    flops.push_back(graph.nodes[c].flops);
+    bytes.push_back(graph.nodes[c].bytes);
   }
-  std::stable_sort(candidates.begin(), candidates.end(), [&](int32_t a, int32_t b) {
-    const RematNode& x = graph.nodes[a];
-    const RematNode& y = graph.nodes[b];
-    // x.bytes / x.flops > y.bytes / y.flops, without dividing.
-    return static_cast<double>(x.bytes) * y.flops > static_cast<double>(y.bytes) * x.flops;
-  });
+  std::vector<int32_t> candidates;
+  for (size_t i : admission_order(flops, bytes)) candidates.push_back(in_order[i]);
   return candidates;
 }
 
@@ -255,3 +262,43 @@ void none_bans(const Prepared& p, Bans& bans) {
 }
 
 }  // namespace autosp::remat_detail
+
+namespace autosp {
+
+double attention_flops(const RematGraph& graph) {
+  double flops = 0;
+  for (const RematNode& node : graph.nodes) {
+    if (node.kind == RematOpKind::kAttention) flops += node.flops;
+  }
+  return flops;
+}
+
+std::vector<int32_t> matmul_candidates_in_graph_order(const RematGraph& graph) {
+  std::vector<int32_t> candidates;
+  for (int32_t i = 0; i < static_cast<int32_t>(graph.nodes.size()); ++i) {
+    const RematNode& node = graph.nodes[i];
+    if (node.required_fw && node.kind == RematOpKind::kMatmul && !node.must_save &&
+        node.flops > 0) {
+      candidates.push_back(i);
+    }
+  }
+  return candidates;
+}
+
+std::vector<bool> admit_matmuls(const std::vector<double>& flops, const std::vector<int64_t>& bytes,
+                                double allowance) {
+  if (flops.size() != bytes.size()) {
+    throw std::invalid_argument("[remat] admit_matmuls: flops and bytes differ in length");
+  }
+  std::vector<bool> admitted(flops.size(), false);
+  double used = 0;
+  for (size_t i : remat_detail::admission_order(flops, bytes)) {
+    if (used + flops[i] <= allowance) {
+      admitted[i] = true;
+      used += flops[i];
+    }
+  }
+  return admitted;
+}
+
+}  // namespace autosp

@@ -61,6 +61,10 @@ int32_t storage_base(const RematGraph& graph, int32_t i);
 // Each policy's bans (remat_bans.cpp).
 // PyTorch's default partitioner bans (its allowlist, heavy ops, ops far from the backward...).
 void default_bans(const Prepared& p, const RematOptions& options, Bans& bans);
+// The positions of matmuls with these forward `flops` and output `bytes` in sequence-aware's
+// cost-model order: most bytes saved per FLOP first, ties in the given order.
+std::vector<size_t> admission_order(const std::vector<double>& flops,
+                                    const std::vector<int64_t>& bytes);
 // The matmuls the sequence-aware policy may recompute, in cost-model order.
 std::vector<int32_t> matmul_candidates(const RematGraph& graph);
 // Sequence-aware: attention, collectives and random ops banned; matmuls unless `admitted`.

@@ -7,6 +7,7 @@ graph each rank runs.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
@@ -21,9 +22,11 @@ from autosp.apply import RankContext, apply_plan
 from autosp.bridge import fx_to_core
 from autosp.decompose import decompose_composites
 from autosp.dynamo_regions import RegionReuseError, inline_regions
+from autosp.compile_cache import load_admissions, save_admissions
 from autosp.errors import AutospError, AutospGatherWarning, stage
 from autosp.remat_policy import AUTO, BACKENDS, MemoryBudget, Offload  # names defined once
-from autosp.specialize import PerShapeCompiled
+from autosp.remat_regions import RegionAdmissions
+from autosp.specialize import PerShapeCompiled, Retemplate
 
 
 @dataclass
@@ -103,6 +106,14 @@ def eager_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     return boxed_nop(gm, example_inputs)
 
 
+def admissions_key(gm: fx.GraphModule, remat: Any) -> str:
+    """Where the admissions each region call of ``gm`` needs are kept (autosp.compile_cache)."""
+    from autosp.compile_cache import report_key
+    from autosp.remat import DEFAULT_RECOMPUTE_FLOPS_RATIO, _cache_key
+
+    return report_key(gm, _cache_key(remat, DEFAULT_RECOMPUTE_FLOPS_RATIO) + torch.__version__)
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], *, remat: Any, backend: str,
                   report: Any = None) -> Callable:
     """AOTAutograd over ``gm`` with autosp's remat partitioner, then Inductor or eager."""
@@ -173,6 +184,7 @@ class SequenceParallelBackend:
                               "'auto' is resolved by autosp.compile's module at its first call)")
         rec = CompileRecord()
         self.records.append(rec)
+        pristine: fx.GraphModule | None = None
         t0 = time.perf_counter()
         rec.stages.append(Stage("dynamo", gm.print_readable(print_output=False), 0.0))
         try:  # dump what was produced, also when a stage fails (AUTOSP_DUMP_DIR)
@@ -223,6 +235,10 @@ class SequenceParallelBackend:
                     from autosp.outline import outline_layers, whole_graph_policy
 
                     why_flat = whole_graph_policy(self.remat)
+                    if not why_flat and self.remat == "sequence-aware":
+                        # kept to outline again by each layer's admissions (remat_regions)
+                        pristine = fx.GraphModule(new_gm, copy.deepcopy(new_gm.graph))
+                        pristine.meta = dict(new_gm.meta)
                     rec.outlined = [why_flat] if why_flat else outline_layers(new_gm)
                     if not why_flat:
                         rec.stages.append(Stage("outlined", new_gm.print_readable(
@@ -230,9 +246,36 @@ class SequenceParallelBackend:
         finally:
             self._dump(rec)
         def compile_fn(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
+            report = self.remat_report
+            before = len(report.graphs) if report is not None else 0
+
+            def outlined_again(per_call: list[tuple[bool, ...]]) -> Callable:
+                # Layers need other sequence-aware admissions than their region's: outline again
+                # by them (autosp.remat_regions) and compile that graph.
+                from autosp.outline import outline_by_admissions
+
+                again, rec.outlined = outline_by_admissions(pristine, gm, per_call)
+                rec.graph_module = again
+                rec.stages.append(Stage("outlined", again.print_readable(print_output=False), 0.0))
+                if not self.dynamic:  # autosp.specialize compiles this shape from it
+                    raise Retemplate(again)
+                return compile_graph(again, inputs, remat=self.remat, backend=self.backend,
+                                     report=report)
+
             with stage("compile"):
-                return compile_graph(gm, inputs, remat=self.remat, backend=self.backend,
-                                     report=self.remat_report)
+                key = admissions_key(gm, self.remat) if pristine is not None else None
+                if key is not None and (known := load_admissions(key)) is not None:
+                    return outlined_again(known)  # what an earlier process found
+                try:
+                    return compile_graph(gm, inputs, remat=self.remat, backend=self.backend,
+                                         report=report)
+                except RegionAdmissions as r:
+                    if key is None:
+                        raise
+                    save_admissions(key, r.per_call)
+                    if report is not None:
+                        del report.graphs[before:]
+                    return outlined_again(r.per_call)
 
         if self.dynamic:
             return compile_fn(new_gm, list(example_inputs))

@@ -84,6 +84,10 @@ def report_key(gm: Any, partitioner_uuid: str) -> str:
     compilation that made the entry)."""
     h = hashlib.sha256(partitioner_uuid.encode())
     h.update(gm.code.encode())
+    for name, sub in gm.named_modules():  # regions' subgraphs (autosp.outline): their code too
+        if sub is not gm and isinstance(sub, torch.fx.GraphModule):
+            h.update(name.encode())
+            h.update(sub.code.encode())
     for node in gm.graph.find_nodes(op="placeholder"):
         x = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(x, torch.Tensor):
@@ -124,4 +128,43 @@ def load_reports(key: str) -> list[Any] | None:
                                         nodes=tuple(NodeRemat(**x) for x in g["nodes"])))
                 for g in raw]
     except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+# -- per-layer admissions across processes ----------------------------------------------------
+#
+# With regions and sequence-aware remat, a graph whose layers need other admissions than their
+# region's is outlined again after its first partition (autosp.remat_regions). What each call
+# needs is kept beside the caches under the first graph's report_key, so that a later process
+# outlines by it at once and does not trace and partition the first graph again.
+
+
+def _admissions_path(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "autosp_region_admissions" / f"{key}.json"
+
+
+def save_admissions(key: str, per_call: Sequence[Sequence[bool]]) -> None:
+    """Writes each region call's admissions (best effort, as :func:`save_reports`)."""
+    path = _admissions_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[bool(a) for a in call] for call in per_call]))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def load_admissions(key: str) -> list[tuple[bool, ...]] | None:
+    """What :func:`save_admissions` wrote under ``key``, or None. (Any admissions are exact;
+    they decide only what is recomputed.)"""
+    try:
+        raw = json.loads(_admissions_path(key).read_text())
+        if not isinstance(raw, list) or not all(
+                isinstance(c, list) and all(isinstance(a, bool) for a in c) for c in raw):
+            return None
+        return [tuple(c) for c in raw]
+    except (OSError, ValueError):
         return None

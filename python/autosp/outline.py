@@ -15,16 +15,17 @@ alias an operand (a view, ``view_as``, a collective's wait): PyTorch assumes a r
 alias nothing, and checks none of it. The compile of a graph with regions turns off Inductor's
 buffer reuse (autosp.remat.compile_joint), which that assumption broke.
 
-Remat decisions are then made per region, not per layer: every outlined layer saves what one
-layer saves when solved alone. That is exact, but it is not what the flat solve of
-``"sequence-aware"`` gives when its FLOP allowance ends part-way through the layers (a region
-then recomputes less, never more). A policy that decides over the whole graph keeps every layer
-inline (``whole_graph_policy``).
+Remat stays per layer. ``"sequence-aware"`` chooses the matmuls to recompute over every layer,
+and its allowance can end part-way through them: layers whose choices then differ call
+subgraphs of their own (``outline_by_admissions``, autosp.remat_regions). ``MemoryBudget`` and
+``Offload``, which decide over the whole graph in other ways, keep every layer inline
+(``whole_graph_policy``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 from typing import Any, Iterator
 
@@ -33,9 +34,11 @@ import torch.fx as fx
 
 from autosp.bridge import writes_in_place
 from autosp.canon import target_name
+from autosp.errors import AutospError
 from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 from autosp.remat_policy import MemoryBudget, Offload
+from autosp.remat_regions import ADMIT_KEY
 
 _SIZE_ARITHMETIC = (operator.mul, operator.floordiv, operator.add, operator.sub,
                     operator.truediv, operator.mod, operator.neg)
@@ -43,6 +46,8 @@ _SIZE_ARITHMETIC = (operator.mul, operator.floordiv, operator.add, operator.sub,
 
 #: The identifier of autosp's region calls (``invoke_subgraph``'s second argument).
 REGION_PREFIX = "autosp_layer_"
+#: A region call's ``node.meta`` key for the layer it stands for.
+LAYER_KEY = "autosp_layer"
 
 
 @contextlib.contextmanager
@@ -266,33 +271,42 @@ def _regions(gm: fx.GraphModule) -> tuple[list[_Region], list[str]]:
     return regions, skipped
 
 
-def outline_layers(gm: fx.GraphModule) -> list[str]:
+def outline_layers(gm: fx.GraphModule,
+                   admissions: dict[str, tuple[bool, ...]] | None = None) -> list[str]:
     """Replaces, in place, each class of two or more alike layers of ``gm`` by
     ``invoke_subgraph`` calls of one subgraph per class. Returns one line per layer: which
-    subgraph it calls, or why it stays inline."""
+    subgraph it calls, or why it stays inline. ``admissions``, by layer: the sequence-aware
+    admissions each layer needs (autosp.remat_regions); layers alike but for them call
+    subgraphs of their own, each stamped with its admissions."""
+    admissions = admissions or {}
     regions, lines = _regions(gm)
     classes: dict[Any, list[_Region]] = {}
     for r in regions:
         if r.why_not:
             lines.append(f"{r.layer}: not outlined: {r.why_not}")
         else:
-            classes.setdefault(r.key, []).append(r)
+            classes.setdefault((r.key, admissions.get(r.layer)), []).append(r)
     graph = gm.graph
     replaced: dict[fx.Node, fx.Node] = {}  # an earlier region's output -> its getitem
     for k, members in enumerate(classes.values()):
         if len(members) < 2:
             lines.append(f"{members[0].layer}: not outlined: no other layer is alike")
             continue
-        name = f"{REGION_PREFIX}{k}"
+        admitted = admissions.get(members[0].layer)
+        # A name of its own for each admission (PyTorch caches a region's partition by its
+        # name, also across a compile made again under the same tracing context).
+        name = f"{REGION_PREFIX}{k}" + ("" if admitted is None else
+                                        "_r" + "".join("1" if a else "0" for a in admitted))
         for i, r in enumerate(members):
             # An operand may be an output of a layer replaced before (its getitem now).
             r.operands = [replaced.get(a, a) for a in r.operands]
             if i == 0:
-                gm.add_submodule(name, _subgraph(gm, r))
+                gm.add_submodule(name, _subgraph(gm, r, admitted))
             with graph.inserting_before(r.nodes[0]):
                 attr = graph.get_attr(name)
                 call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                            (attr, name, *r.operands))
+                call.meta[LAYER_KEY] = r.layer
                 for i, o in enumerate(r.outputs):
                     item = graph.call_function(operator.getitem, (call, i))
                     item.meta.update(o.meta)
@@ -300,13 +314,32 @@ def outline_layers(gm: fx.GraphModule) -> list[str]:
                     replaced[o] = item
             for n in reversed(r.nodes):
                 graph.erase_node(n)
-            lines.append(f"{r.layer}: calls {name}")
+            lines.append(f"{r.layer}: calls {name}" + (
+                "" if admitted is None else f" (sequence-aware admits {sum(admitted)} of its "
+                f"{len(admitted)} matmuls, chosen over every layer)"))
     graph.lint()
     gm.recompile()
     return lines
 
 
-def _subgraph(gm: fx.GraphModule, region: _Region) -> fx.GraphModule:
+def outline_by_admissions(pristine: fx.GraphModule, outlined: fx.GraphModule,
+                          per_call: list[tuple[bool, ...]]) -> tuple[fx.GraphModule, list[str]]:
+    """A copy of ``pristine`` (the graph ``outlined`` was outlined from) outlined again with
+    each layer's sequence-aware admissions (autosp.remat_regions.RegionAdmissions: per region
+    call of ``outlined``, in graph order), and its lines as :func:`outline_layers` gives them."""
+    layers = [n.meta.get(LAYER_KEY) for n in outlined.graph.nodes
+              if n.target is torch.ops.higher_order.invoke_subgraph]
+    if len(layers) != len(per_call) or None in layers:
+        raise AutospError(
+            f"[autosp:outline] internal error: {len(per_call)} region calls' admissions for "
+            f"{len(layers)} calls in the graph; compile with regions=False and report this")
+    gm = fx.GraphModule(pristine, copy.deepcopy(pristine.graph))
+    gm.meta = dict(pristine.meta)
+    return gm, outline_layers(gm, dict(zip(layers, per_call)))
+
+
+def _subgraph(gm: fx.GraphModule, region: _Region,
+              admitted: tuple[bool, ...] | None = None) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, a in enumerate(region.operands):
@@ -315,5 +348,7 @@ def _subgraph(gm: fx.GraphModule, region: _Region) -> fx.GraphModule:
         env[a] = p
     for n in region.nodes:
         env[n] = g.node_copy(n, lambda x: env[x])
+        if admitted is not None:  # on every node: it reaches the region's joint graph
+            env[n].meta["custom"] = {**(n.meta.get("custom") or {}), ADMIT_KEY: admitted}
     g.output(tuple(env[o] for o in region.outputs))
     return fx.GraphModule(gm, g)

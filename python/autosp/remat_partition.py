@@ -12,12 +12,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from autosp import _core
+from autosp import _core, remat_regions
 from autosp.errors import AutospError
 from autosp.remat_facts import _partitioners, gather_facts
 from autosp.remat_graphs import reorder_like_autograd
 from autosp.remat_policy import (DEFAULT_RECOMPUTE_FLOPS_RATIO, GraphRematReport, LayerRemat, NodeRemat,
                                  RematPolicy, RematReport, _core_options, _policy_name)
+from autosp.remat_regions import RegionChoices
 
 # --------------------------------------------------------------------------------------------
 # The partition function
@@ -41,6 +42,7 @@ def _partition(
     policy: RematPolicy,
     options: Any,
     report: RematReport | None,
+    choices: RegionChoices | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     from torch._dynamo import config as dynamo_config
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -51,7 +53,7 @@ def _partition(
         return _partition_graphs(
             joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, policy=policy,
-            options=options, report=report,
+            options=options, report=report, choices=choices,
         )
 
 
@@ -64,6 +66,7 @@ def _partition_graphs(
     policy: RematPolicy,
     options: Any,
     report: RematReport | None,
+    choices: RegionChoices | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     partitioners = _partitioners()
     from torch._functorch import config as functorch_config
@@ -109,6 +112,16 @@ def _partition_graphs(
         )
 
     nodes, facts = gather_facts(joint_graph, node_info)
+    # With regions (autosp.outline), sequence-aware's choice is kept per layer
+    # (autosp.remat_regions): a stamped region takes its layers' admissions, a graph calling
+    # regions makes the choice over every call.
+    per_layer = choices is not None and remat_regions.applies(options)
+    stamped = None
+    if per_layer:
+        stamped = remat_regions.stamped_admissions(joint_graph, facts)
+        options.admitted = stamped if stamped is not None else \
+            remat_regions.calling_graph_admissions(choices, joint_module, nodes, facts,
+                                                   options.recompute_flops_ratio)
     start = time.perf_counter()
     try:
         solution = _core.solve_remat(facts, options)
@@ -171,6 +184,8 @@ def _partition_graphs(
         fw_module = partitioners.thread_graphsafe_rng_from_hops(fw_module, is_backward=False)
         bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
 
+    if per_layer:
+        remat_regions.record(choices, fw_module, facts, solution, stamped is not None)
     if report is not None:
         graph_report = _graph_report(policy, solution, facts, solve_seconds, offload_copies,
                                      offloaded_bytes)
@@ -381,6 +396,7 @@ def make_partition_fn(
     # Validate now (a bad policy fails at compile set-up), but build the core options per call:
     # torch keeps partition functions alive until exit, and they should not pin core objects.
     _core_options(policy, recompute_flops_ratio)
+    choices = RegionChoices()
 
     def autosp_remat_partition(
         joint_module: fx.GraphModule,
@@ -398,6 +414,7 @@ def make_partition_fn(
             policy=policy,
             options=_core_options(policy, recompute_flops_ratio),
             report=report,
+            choices=choices,
         )
 
     autosp_remat_partition.autosp_policy = policy  # type: ignore[attr-defined]

@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from autosp.errors import AutospError
+
 #: Distinct shapes after which a warning suggests ``dynamic=True`` (each one compiles anew).
 WARN_AFTER = 8
 
@@ -42,6 +44,15 @@ def shape_key(args: tuple) -> tuple:
     return tuple(key)
 
 
+class Retemplate(AutospError):
+    """Raised by a compile function: compile this shape from ``template`` instead (a graph
+    outlined again by its layers' admissions, autosp.remat_regions)."""
+
+    def __init__(self, template: fx.GraphModule) -> None:
+        super().__init__("a shape's graph outlined again")
+        self.template = template
+
+
 class PerShapeCompiled:
     """The applied graph ``gm`` compiled (by ``compile_fn(gm, example_inputs)``) once per
     distinct :func:`shape_key` of its inputs, at the first call with them. ``shapes`` lists
@@ -54,26 +65,28 @@ class PerShapeCompiled:
         self.shapes: list[tuple] = []
         self.seconds: list[float] = []
 
-    def _copy(self, args: tuple) -> tuple[fx.GraphModule, list[int]]:
+    def _copy(self, args: tuple, template: fx.GraphModule | None = None
+              ) -> tuple[fx.GraphModule, list[int]]:
         """A copy of the graph with every integer input (a symbolic size at capture) replaced by
         its value in ``args`` and dropped from the inputs, and the positions of the inputs the
         copy keeps. AOTAutograd makes an integer input a symbol, so left as an input, what is
         computed from it (the rotary table's length, a region's operand) would be compiled with
         a symbolic size. The shape key holds these values, so each copy serves only them."""
-        gm = fx.GraphModule(self._template, copy.deepcopy(self._template.graph))
-        gm.meta = dict(self._template.meta)
+        template = template if template is not None else self._template
+        gm = fx.GraphModule(template, copy.deepcopy(template.graph))
+        gm.meta = dict(template.meta)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         baked = {i for i, a in enumerate(args) if type(a) is int}
         for i in baked:
             _bake(placeholders[i], args[i])
         if baked and not _bake_regions(gm):  # a region cannot take a literal: keep the symbols
-            return self._copy(())[0], list(range(len(args)))
+            return self._copy((), template)[0], list(range(len(args)))
         for i in baked:
             gm.graph.erase_node(placeholders[i])
         gm.recompile()
         return gm, [i for i in range(len(args)) if i not in baked]
 
-    def _compile_static(self, args: tuple) -> Callable:
+    def _compile_static(self, args: tuple, template: fx.GraphModule | None = None) -> Callable:
         """Compiles a copy of the graph for ``args``' shapes: static fake copies of the
         tensors in a fake mode with a shape env of its own (no symbol in it, so nothing to
         guard), traced in a tracing context of that mode as Dynamo traces, so that PyTorch's
@@ -84,11 +97,16 @@ class PerShapeCompiled:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        gm, keep = self._copy(args)
+        gm, keep = self._copy(args, template)
         inputs = [fake_mode.from_tensor(args[i], static_shapes=True)
                   if isinstance(args[i], torch.Tensor) else args[i] for i in keep]
-        with tracing(TracingContext(fake_mode)):
-            fn = self._compile(gm, inputs)
+        try:
+            with tracing(TracingContext(fake_mode)):
+                fn = self._compile(gm, inputs)
+        except Retemplate as again:  # this shape compiles another graph (once)
+            if template is not None:
+                raise AutospError(f"[autosp:compile] internal error: {again}") from None
+            return self._compile_static(args, again.template)
         if len(keep) == len(args):
             return fn
         return lambda *a: fn(*[a[i] for i in keep])

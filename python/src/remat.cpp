@@ -98,7 +98,8 @@ void init_remat(nb::module_& m) {
       .def_rw("budget_fraction", &RematOptions::budget_fraction)
       .def_rw("max_dist_from_bw", &RematOptions::max_dist_from_bw)
       .def_rw("offload_layer_outputs", &RematOptions::offload_layer_outputs)
-      .def_rw("offload_layer_saved", &RematOptions::offload_layer_saved);
+      .def_rw("offload_layer_saved", &RematOptions::offload_layer_saved)
+      .def_rw("admitted", &RematOptions::admitted);
 
   nb::class_<RematLayerSummary>(m, "RematLayerSummary")
       .def_ro("layer", &RematLayerSummary::layer)
@@ -122,6 +123,7 @@ void init_remat(nb::module_& m) {
       .def_ro("attention_flops", &RematSolution::attention_flops)
       .def_ro("admitted_matmul_flops", &RematSolution::admitted_matmul_flops)
       .def_ro("admitted_matmuls", &RematSolution::admitted_matmuls)
+      .def_ro("admitted", &RematSolution::admitted)
       .def_ro("cut_value", &RematSolution::cut_value)
       .def_ro("flow_vertices", &RematSolution::flow_vertices)
       .def_ro("flow_edges", &RematSolution::flow_edges)
@@ -137,4 +139,17 @@ void init_remat(nb::module_& m) {
       },
       "nodes"_a, "options"_a,
       "Decide which forward values to save for the backward (see csrc/plan/remat.h).");
+
+  m.def(
+      "attention_flops",
+      [](const std::vector<RematNode>& nodes) { return attention_flops(RematGraph{nodes}); },
+      "nodes"_a, "The graph's attention FLOPs (see csrc/plan/remat.h).");
+  m.def(
+      "matmul_candidates",
+      [](const std::vector<RematNode>& nodes) {
+        return matmul_candidates_in_graph_order(RematGraph{nodes});
+      },
+      "nodes"_a, "The matmuls sequence-aware may admit, in graph order (csrc/plan/remat.h).");
+  m.def("admit_matmuls", &admit_matmuls, "flops"_a, "bytes"_a, "allowance"_a,
+        "Sequence-aware's choice among matmuls given in graph order (csrc/plan/remat.h).");
 }

@@ -191,6 +191,52 @@ TEST(Remat, SequenceAwareKeepsMatmulOverAllowance) {
   EXPECT_EQ(s.admitted_matmuls, 0);
 }
 
+TEST(Remat, AdmittedMatmulsGivenOverrideTheAllowance) {
+  TwoOpModel m;
+  // The allowance (0.1% of 3e8) admits nothing; a choice made over a larger graph (a region's
+  // every call, python/autosp/remat_regions.py) admits the matmul all the same, and vice versa.
+  RematOptions options{.policy = RematPolicy::kSequenceAware, .recompute_flops_ratio = 0.001};
+  options.admitted = std::vector<int32_t>{m.mm};
+  RematSolution s = solve_remat(m.b.graph, options);
+  EXPECT_EQ(names(m.b.graph, s.recomputed), (std::vector<std::string>{"mm"}));
+  EXPECT_EQ(s.admitted, (std::vector<int32_t>{m.mm}));
+  options.recompute_flops_ratio = 0.1;
+  options.admitted = std::vector<int32_t>{};
+  s = solve_remat(m.b.graph, options);
+  EXPECT_EQ(names(m.b.graph, s.saved), (std::vector<std::string>{"x", "mm", "attn"}));
+  EXPECT_EQ(s.admitted_matmuls, 0);
+  options.admitted = std::vector<int32_t>{m.attn};  // not a candidate
+  EXPECT_THROW(solve_remat(m.b.graph, options), std::invalid_argument);
+  options.admitted = std::vector<int32_t>{m.mm};
+  options.budget_bytes = 9000;  // a budget makes its own choice
+  EXPECT_THROW(solve_remat(m.b.graph, options), std::invalid_argument);
+}
+
+TEST(Remat, AdmitMatmulsTakesMostBytesPerFlopFirstWhileTheyFit) {
+  // bytes/FLOP: 10, 5, 10, 1. Order: 0, 2 (tie with 0: graph order), 1, 3.
+  const std::vector<double> flops{1, 2, 3, 1};
+  const std::vector<int64_t> bytes{10, 10, 30, 1};
+  EXPECT_EQ(admit_matmuls(flops, bytes, 3.5), (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(admit_matmuls(flops, bytes, 4), (std::vector<bool>{true, false, true, false}));
+  EXPECT_EQ(admit_matmuls(flops, bytes, 7), (std::vector<bool>{true, true, true, true}));
+  EXPECT_EQ(admit_matmuls(flops, bytes, 0), (std::vector<bool>{false, false, false, false}));
+  EXPECT_THROW(admit_matmuls(flops, {1}, 1), std::invalid_argument);
+}
+
+TEST(Remat, SolverAdmitsAsAdmitMatmulsOverItsCandidates) {
+  TwoOpModel m;
+  const RematGraph& g = m.b.graph;
+  EXPECT_EQ(matmul_candidates_in_graph_order(g), (std::vector<int32_t>{m.mm}));
+  EXPECT_DOUBLE_EQ(attention_flops(g), 3e8);
+  for (double ratio : {0.001, 0.1}) {
+    const RematSolution s =
+        solve_remat(g, {.policy = RematPolicy::kSequenceAware, .recompute_flops_ratio = ratio});
+    const std::vector<bool> chosen =
+        admit_matmuls({g.nodes[m.mm].flops}, {g.nodes[m.mm].bytes}, ratio * attention_flops(g));
+    EXPECT_EQ(s.admitted_matmuls, chosen[0] ? 1 : 0) << ratio;
+  }
+}
+
 TEST(Remat, BudgetPicksFewestRecomputations) {
   TwoOpModel m;
   RematOptions options{.policy = RematPolicy::kSequenceAware, .budget_bytes = 9000};
