@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import assert_step_exact, make_batch, run_ranks, step_against_reference, tiny_config
+from test_outline import _in_fresh_process
 
 
 def _per_layer(report: Any, outlined: list[str]) -> dict[str, tuple[int, float]]:
@@ -84,3 +85,115 @@ def test_sequence_aware_admissions_stay_per_layer_with_regions() -> None:
                              "layers.3: not outlined: no other layer is alike"], lines
         # What is left is where a region's outputs are saved (remat none: 1.6% more, docs).
         assert flat["saved"] <= regions["saved"] <= 1.05 * flat["saved"], (regions["saved"], flat["saved"])
+
+
+def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: int = 4,
+                     frozen: tuple[str, ...] = (), reset: bool = True) -> list[dict[str, Any]]:
+    """Rank 0 of 2 (fake process group), aot_eager: the same model compiled once per length
+    in ``seqs`` with one fresh cache directory, Dynamo reset in between (what a second
+    process finds) unless ``reset`` is False (one compiled module called at each length).
+    Parameters under the prefixes ``frozen`` take no gradient. Per call: the attempts
+    (compile_graph calls, and which raised), the lines, the recompute FLOPs."""
+    import os
+    import sys
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+    from autosp.remat_policy import RematReport
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autosp-admissions-")
+    sp_backend = sys.modules["autosp.backend"]
+    real = sp_backend.compile_graph
+    attempts: list[str] = []
+
+    def counting(gm: Any, inputs: list[Any], **kw: Any) -> Any:
+        try:
+            out = real(gm, inputs, **kw)
+        except Exception as e:
+            attempts.append(type(e).__name__)
+            raise
+        attempts.append("compiled")
+        return out
+
+    sp_backend.compile_graph = counting
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=layers,
+                      num_heads=4, num_kv_heads=2)
+    out = []
+    compiled = None
+    for seq in seqs:
+        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
+        attempts.clear()
+        if reset or compiled is None:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg)
+            for name, p in model.named_parameters():
+                p.requires_grad_(not name.startswith(frozen))
+            report = RematReport()
+            compiled = autosp.compile(model, mesh=autosp.init_mesh(2), check_inputs="never",
+                                      backend="aot_eager", regions=True, dynamic=dynamic,
+                                      remat_report=report)
+        compiled(ids, ids).backward()
+        out.append({"attempts": list(attempts), "outlined": compiled.last_compile.outlined,
+                    "recompute": sum(g.recompute_flops for g in report.graphs if not g.calls),
+                    "graphs": len(report.graphs)})
+    return out
+
+
+@pytest.mark.slow  # 40 s each on 2 cores: four aot_eager compiles
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_admissions_found_once_are_reused_by_a_later_process(dynamic: bool) -> None:
+    """The first compile stops at the first region's partition (its calls' admissions already
+    differ), outlines again by them and compiles that; the report keeps only the graphs of the
+    compile that made it (2: one region, the calling graph). A second process with the same
+    cache directory outlines by the admissions kept there at once: one attempt, same lines,
+    same recompute FLOPs. With dynamic=False, through autosp.specialize's Retemplate."""
+    first, second = _in_fresh_process(_fake_rank_twice, dynamic)
+    assert first["attempts"] == ["RegionAdmissions", "compiled"], first
+    assert second["attempts"] == ["compiled"], second
+    assert second["outlined"] == first["outlined"], (first, second)
+    assert "calls autosp_layer_0_r" in first["outlined"][0], first
+    assert second["recompute"] == first["recompute"] > 0 and first["graphs"] == 2, (first, second)
+
+
+@pytest.mark.slow  # 60 s on 2 cores
+def test_admissions_kept_at_one_length_are_corrected_at_another() -> None:
+    """dynamic=True keys what is kept by the symbolic graph, as AOTAutograd's cache does, but
+    the admissions depend on S (attention FLOPs grow as S^2). A second process at S 1024 on
+    a cache filled at S 512 outlines by those, finds at the calling graph's partition that
+    its layers need others, and outlines again (an internal error before: breaker helper-41)."""
+    first, second = _in_fresh_process(_fake_rank_twice, True, (512, 1024))
+    assert first["attempts"] == ["RegionAdmissions", "compiled"], first
+    assert second["attempts"] == ["RegionAdmissions", "compiled"], second
+    assert second["outlined"] != first["outlined"], second
+
+
+@pytest.mark.slow  # 40 s on 2 cores
+def test_regions_called_without_gradients_keep_their_layers() -> None:
+    """Fine-tuning with the embedding and layers 0-1 frozen, 6 layers, S 512: the frozen
+    layers' region is never partitioned (no gradient), so it has no record; the choice over the
+    other calls is keyed by the layer each call says it stands for. Before: "internal error: 3
+    region calls' admissions for 5 calls" (breaker helper-41)."""
+    run, = _in_fresh_process(_fake_rank_twice, True, (512,), 6,
+                             ("embed_tokens", "layers.0.", "layers.1."))
+    assert run["attempts"][-1] == "compiled", run
+    lines = run["outlined"]
+    assert lines[0].startswith("layers.0: calls ") and lines[1].startswith(
+        lines[0].replace("layers.0", "layers.1").split(" (")[0]), lines
+
+
+@pytest.mark.slow  # 40 s on 2 cores
+def test_each_shape_reports_its_own_outline() -> None:
+    """dynamic=False, one compiled module at S 512 (its layers' admissions differ: outlined
+    again) and then S 2048 (every layer admits every matmul): the record shows the outline S
+    2048 compiled, every layer calling one subgraph, not S 512's (breaker helper-41 found the
+    earlier shape's lines kept)."""
+    short, long = _in_fresh_process(_fake_rank_twice, False, (512, 2048), 4, (), False)
+    assert "calls autosp_layer_0_r" in short["outlined"][0], short
+    assert long["attempts"] == ["compiled"], long
+    assert long["outlined"] == [f"layers.{i}: calls autosp_layer_0" for i in range(4)], long

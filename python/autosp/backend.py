@@ -24,6 +24,7 @@ from autosp.decompose import decompose_composites
 from autosp.dynamo_regions import RegionReuseError, inline_regions
 from autosp.compile_cache import load_admissions, save_admissions
 from autosp.errors import AutospError, AutospGatherWarning, stage
+from autosp.outline import outline_by_admissions
 from autosp.remat_policy import AUTO, BACKENDS, MemoryBudget, Offload  # names defined once
 from autosp.remat_regions import RegionAdmissions
 from autosp.specialize import PerShapeCompiled, Retemplate
@@ -104,6 +105,11 @@ def eager_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
             node.target = torch.ops.aten.reshape.default
     gm.recompile()
     return boxed_nop(gm, example_inputs)
+
+
+# A graph outlined again by its layers' admissions carries them, and where they are kept
+# (autosp.compile_cache), in its meta.
+_ADMISSIONS, _ADMISSIONS_KEY = "autosp_admissions", "autosp_admissions_key"
 
 
 def admissions_key(gm: fx.GraphModule, remat: Any) -> str:
@@ -240,6 +246,7 @@ class SequenceParallelBackend:
                         pristine = fx.GraphModule(new_gm, copy.deepcopy(new_gm.graph))
                         pristine.meta = dict(new_gm.meta)
                     rec.outlined = [why_flat] if why_flat else outline_layers(new_gm)
+                    first_outline = (rec.outlined, new_gm)
                     if not why_flat:
                         rec.stages.append(Stage("outlined", new_gm.print_readable(
                             print_output=False), 0.0))
@@ -249,33 +256,38 @@ class SequenceParallelBackend:
             report = self.remat_report
             before = len(report.graphs) if report is not None else 0
 
-            def outlined_again(per_call: list[tuple[bool, ...]]) -> Callable:
+            def outlined_again(admissions: dict[str, tuple[bool, ...]], key: str) -> Callable:
                 # Layers need other sequence-aware admissions than their region's: outline again
                 # by them (autosp.remat_regions) and compile that graph.
-                from autosp.outline import outline_by_admissions
-
-                again, rec.outlined = outline_by_admissions(pristine, gm, per_call)
+                again, rec.outlined = outline_by_admissions(pristine, admissions)
+                again.meta.update({_ADMISSIONS: admissions, _ADMISSIONS_KEY: key})
                 rec.graph_module = again
                 rec.stages.append(Stage("outlined", again.print_readable(print_output=False), 0.0))
                 if not self.dynamic:  # autosp.specialize compiles this shape from it
                     raise Retemplate(again)
-                return compile_graph(again, inputs, remat=self.remat, backend=self.backend,
-                                     report=report)
+                return compile_fn(again, inputs)
 
             with stage("compile"):
-                key = admissions_key(gm, self.remat) if pristine is not None else None
-                if key is not None and (known := load_admissions(key)) is not None:
-                    return outlined_again(known)  # what an earlier process found
+                if pristine is None:
+                    return compile_graph(gm, inputs, remat=self.remat, backend=self.backend,
+                                         report=report)
+                given = gm.meta.get(_ADMISSIONS)  # None: the first outline
+                if given is None:  # another shape may have been outlined again before
+                    rec.outlined, rec.graph_module = first_outline
+                key = gm.meta.get(_ADMISSIONS_KEY) or admissions_key(gm, self.remat)
+                if given is None and (known := load_admissions(key)) is not None:
+                    return outlined_again(known, key)  # what an earlier process found
                 try:
                     return compile_graph(gm, inputs, remat=self.remat, backend=self.backend,
                                          report=report)
                 except RegionAdmissions as r:
-                    if key is None:
+                    found = {**(given or {}), **r.per_layer}
+                    if found == given:  # each attempt must change some layer's admissions
                         raise
-                    save_admissions(key, r.per_call)
                     if report is not None:
                         del report.graphs[before:]
-                    return outlined_again(r.per_call)
+                    save_admissions(key, found)
+                    return outlined_again(found, key)
 
         if self.dynamic:
             return compile_fn(new_gm, list(example_inputs))

@@ -145,26 +145,26 @@ def _admissions_path(key: str) -> Path:
     return Path(cache_dir()) / "autosp_region_admissions" / f"{key}.json"
 
 
-def save_admissions(key: str, per_call: Sequence[Sequence[bool]]) -> None:
-    """Writes each region call's admissions (best effort, as :func:`save_reports`)."""
+def save_admissions(key: str, admissions: dict[str, Sequence[bool]]) -> None:
+    """Writes the admissions each layer needs (best effort, as :func:`save_reports`)."""
     path = _admissions_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([[bool(a) for a in call] for call in per_call]))
+        tmp.write_text(json.dumps({layer: [bool(a) for a in v] for layer, v in admissions.items()}))
         os.replace(tmp, path)
     except OSError:
         pass
 
 
-def load_admissions(key: str) -> list[tuple[bool, ...]] | None:
+def load_admissions(key: str) -> dict[str, tuple[bool, ...]] | None:
     """What :func:`save_admissions` wrote under ``key``, or None. (Any admissions are exact;
     they decide only what is recomputed.)"""
     try:
         raw = json.loads(_admissions_path(key).read_text())
-        if not isinstance(raw, list) or not all(
-                isinstance(c, list) and all(isinstance(a, bool) for a in c) for c in raw):
+        if not isinstance(raw, dict) or not raw or not all(
+                isinstance(v, list) and all(isinstance(a, bool) for a in v) for v in raw.values()):
             return None
-        return [tuple(c) for c in raw]
+        return {str(layer): tuple(v) for layer, v in raw.items()}
     except (OSError, ValueError):
         return None

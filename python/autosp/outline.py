@@ -34,11 +34,10 @@ import torch.fx as fx
 
 from autosp.bridge import writes_in_place
 from autosp.canon import target_name
-from autosp.errors import AutospError
 from autosp.ops import is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 from autosp.remat_policy import MemoryBudget, Offload
-from autosp.remat_regions import ADMIT_KEY
+from autosp.remat_regions import ADMIT_KEY, CALLS_KEY, LAYER_KEY
 
 _SIZE_ARITHMETIC = (operator.mul, operator.floordiv, operator.add, operator.sub,
                     operator.truediv, operator.mod, operator.neg)
@@ -46,8 +45,6 @@ _SIZE_ARITHMETIC = (operator.mul, operator.floordiv, operator.add, operator.sub,
 
 #: The identifier of autosp's region calls (``invoke_subgraph``'s second argument).
 REGION_PREFIX = "autosp_layer_"
-#: A region call's ``node.meta`` key for the layer it stands for.
-LAYER_KEY = "autosp_layer"
 
 
 @contextlib.contextmanager
@@ -301,12 +298,14 @@ def outline_layers(gm: fx.GraphModule,
             # An operand may be an output of a layer replaced before (its getitem now).
             r.operands = [replaced.get(a, a) for a in r.operands]
             if i == 0:
-                gm.add_submodule(name, _subgraph(gm, r, admitted))
+                gm.add_submodule(name, _subgraph(gm, r, tuple(m.layer for m in members),
+                                                 admitted))
             with graph.inserting_before(r.nodes[0]):
                 attr = graph.get_attr(name)
                 call = graph.call_function(torch.ops.higher_order.invoke_subgraph,
                                            (attr, name, *r.operands))
-                call.meta[LAYER_KEY] = r.layer
+                # The layer a call stands for, in `custom`: it reaches the joint graph's call.
+                call.meta["custom"] = {**(call.meta.get("custom") or {}), LAYER_KEY: r.layer}
                 for i, o in enumerate(r.outputs):
                     item = graph.call_function(operator.getitem, (call, i))
                     item.meta.update(o.meta)
@@ -322,24 +321,17 @@ def outline_layers(gm: fx.GraphModule,
     return lines
 
 
-def outline_by_admissions(pristine: fx.GraphModule, outlined: fx.GraphModule,
-                          per_call: list[tuple[bool, ...]]) -> tuple[fx.GraphModule, list[str]]:
-    """A copy of ``pristine`` (the graph ``outlined`` was outlined from) outlined again with
-    each layer's sequence-aware admissions (autosp.remat_regions.RegionAdmissions: per region
-    call of ``outlined``, in graph order), and its lines as :func:`outline_layers` gives them."""
-    layers = [n.meta.get(LAYER_KEY) for n in outlined.graph.nodes
-              if n.target is torch.ops.higher_order.invoke_subgraph]
-    if len(layers) != len(per_call) or None in layers:
-        raise AutospError(
-            f"[autosp:outline] internal error: {len(per_call)} region calls' admissions for "
-            f"{len(layers)} calls in the graph; compile with regions=False and report this")
+def outline_by_admissions(pristine: fx.GraphModule, admissions: dict[str, tuple[bool, ...]]
+                          ) -> tuple[fx.GraphModule, list[str]]:
+    """A copy of ``pristine`` (a graph before outlining) outlined with these layers'
+    sequence-aware admissions, and its lines as :func:`outline_layers` gives them."""
     gm = fx.GraphModule(pristine, copy.deepcopy(pristine.graph))
     gm.meta = dict(pristine.meta)
-    return gm, outline_layers(gm, dict(zip(layers, per_call)))
+    return gm, outline_layers(gm, admissions)
 
 
-def _subgraph(gm: fx.GraphModule, region: _Region,
-              admitted: tuple[bool, ...] | None = None) -> fx.GraphModule:
+def _subgraph(gm: fx.GraphModule, region: _Region, calls: tuple[str, ...],
+              admitted: tuple[bool, ...] | None) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, a in enumerate(region.operands):
@@ -348,7 +340,10 @@ def _subgraph(gm: fx.GraphModule, region: _Region,
         env[a] = p
     for n in region.nodes:
         env[n] = g.node_copy(n, lambda x: env[x])
-        if admitted is not None:  # on every node: it reaches the region's joint graph
-            env[n].meta["custom"] = {**(n.meta.get("custom") or {}), ADMIT_KEY: admitted}
+        # On every node, so that it reaches the region's joint graph (remat_regions).
+        custom = {**(n.meta.get("custom") or {}), CALLS_KEY: calls}
+        if admitted is not None:
+            custom[ADMIT_KEY] = admitted
+        env[n].meta["custom"] = custom
     g.output(tuple(env[o] for o in region.outputs))
     return fx.GraphModule(gm, g)

@@ -119,6 +119,8 @@ def _partition_graphs(
     stamped = None
     if per_layer:
         stamped = remat_regions.stamped_admissions(joint_graph, facts)
+        if stamped is None:
+            remat_regions.split_early(joint_graph, facts, options.recompute_flops_ratio)
         options.admitted = stamped if stamped is not None else \
             remat_regions.calling_graph_admissions(choices, joint_module, nodes, facts,
                                                    options.recompute_flops_ratio)
@@ -185,7 +187,7 @@ def _partition_graphs(
         bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
 
     if per_layer:
-        remat_regions.record(choices, fw_module, facts, solution, stamped is not None)
+        remat_regions.record(choices, fw_module, facts, solution)
     if report is not None:
         graph_report = _graph_report(policy, solution, facts, solve_seconds, offload_copies,
                                      offloaded_bytes)

@@ -7,7 +7,10 @@ matmul the later ones save. A region's subgraph is partitioned once for every la
 it, on its own joint graph, where that choice cannot be seen. So:
 
 1. each region's partition records what it saw (its candidate matmuls' FLOPs and bytes, its
-   attention FLOPs) and what it admitted (:func:`record`);
+   attention FLOPs) and what it admitted (:func:`record`). Before that, a region not yet
+   outlined by admissions makes the choice over its own calls alone; where that already splits
+   them, it raises :class:`RegionAdmissions` at once (:func:`split_early`: the first attempt
+   then stops at the first region's partition, not after the whole calling graph's trace);
 2. the partition of the graph that calls the regions, which AOTAutograd makes after theirs,
    makes the choice over every call and its own matmuls, as the flat graph's partition would
    (:func:`calling_graph_admissions`). Where a call's layer needs other admissions than its
@@ -19,7 +22,10 @@ it, on its own joint graph, where that choice cannot be seen. So:
    joint graph), and compiles again. A stamped region is partitioned with them
    (:func:`stamped_admissions`), and the choice over every call then agrees.
 
-The cost is the first attempt's joint trace and partitions, where the layers' choices differ.
+Each attempt changes some layer's admissions (the backend checks it), so they end; the usual
+count is two (three where the calling graph's own matmuls move the split). What each layer
+needs is kept beside the caches (autosp.compile_cache.save_admissions): a later process outlines
+by it at once.
 """
 
 from __future__ import annotations
@@ -37,20 +43,23 @@ from autosp.errors import AutospError
 #: The key under ``node.meta["custom"]`` of a region subgraph's admissions (per candidate matmul
 #: of its joint graph, in graph order).
 ADMIT_KEY = "autosp_admit"
+#: The key under ``node.meta["custom"]`` of the layers that call a region subgraph (on its
+#: nodes), and of the layer a region call stands for (on the call).
+CALLS_KEY = "autosp_calls"
+LAYER_KEY = "autosp_layer"
 
 
 class RegionAdmissions(AutospError):
-    """The choice over every call differs from what a region was partitioned with: for each
-    region call, in call order, the admissions its layer needs. Caught by autosp's backend,
-    which outlines again (module docstring); it reaches a user only through a fault of
-    autosp's."""
+    """The choice over every call differs from what a region was partitioned with: by layer,
+    the admissions the layers that call regions need. Caught by autosp's backend, which
+    outlines again (module docstring); it reaches a user only through a fault of autosp's."""
 
-    def __init__(self, per_call: list[tuple[bool, ...]]) -> None:
+    def __init__(self, per_layer: dict[str, tuple[bool, ...]]) -> None:
         super().__init__(
             "[autosp:outline] internal error: a region's sequence-aware admissions differ from "
-            "the choice over every layer, and nothing outlined the layers again; compile with "
+            "the choice over every layer, also after outlining the layers by it; compile with "
             "regions=False and report this")
-        self.per_call = per_call
+        self.per_layer = per_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +68,6 @@ class _Region:
     bytes: tuple[int, ...]
     attention_flops: float
     admitted: tuple[bool, ...]
-    stamped: bool  # partitioned with admissions given (autosp outlined by them)
 
 
 class RegionChoices:
@@ -92,14 +100,40 @@ def stamped_admissions(graph: fx.Graph, facts: list[Any]) -> list[int] | None:
     return [c for c, a in zip(candidates, stamp) if a]
 
 
+def _custom(node: fx.Node, key: str) -> Any:
+    custom = node.meta.get("custom")
+    return custom.get(key) if isinstance(custom, dict) else None
+
+
+def split_early(graph: fx.Graph, facts: list[Any], ratio: float) -> None:
+    """For a region not yet stamped: the choice over its own calls alone (its matmuls and
+    attention FLOPs once per call, as if the rest of the graph had none). Where that already
+    gives its calls different admissions, raises :class:`RegionAdmissions` with them at once,
+    before the calling graph is traced further: the calling graph's choice, which also counts
+    its own matmuls and the other regions, corrects them after the layers are outlined again,
+    where it differs."""
+    layers = next((c for n in graph.nodes if (c := _custom(n, CALLS_KEY)) is not None), None)
+    if not layers:
+        return
+    candidates = _core.matmul_candidates(facts)
+    m = len(candidates)
+    flops = [facts[c].flops for c in candidates] * len(layers)
+    nbytes = [facts[c].bytes for c in candidates] * len(layers)
+    admitted = _core.admit_matmuls(flops, nbytes,
+                                   ratio * _core.attention_flops(facts) * len(layers))
+    own = [tuple(admitted[i * m:(i + 1) * m]) for i in range(len(layers))]
+    if len(set(own)) > 1:
+        raise RegionAdmissions(dict(zip(layers, own)))
+
+
 def record(choices: RegionChoices, fw_module: fx.GraphModule, facts: list[Any],
-           solution: Any, stamped: bool) -> None:
+           solution: Any) -> None:
     """What a partition saw and admitted, for the graphs that call it."""
     candidates = _core.matmul_candidates(facts)
     admitted = set(solution.admitted)
     choices.regions[fw_module] = _Region(
         tuple(facts[c].flops for c in candidates), tuple(facts[c].bytes for c in candidates),
-        solution.attention_flops, tuple(c in admitted for c in candidates), stamped)
+        solution.attention_flops, tuple(c in admitted for c in candidates))
 
 
 def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModule,
@@ -116,10 +150,15 @@ def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModul
     attention = _core.attention_flops(facts)
     calls: list[tuple[int, _Region]] = []
     own: list[tuple[int, int]] = []
+    layers: list[str | None] = []
     for i, n in enumerate(nodes):
         if n.target is hop and isinstance(n.args[0], fx.Node):
+            # A forward call of a partitioned region (a backward call's module has no record;
+            # nor has a region called without gradients, whose matmuls and attention the
+            # choice then does not see).
             region = choices.regions.get(getattr(joint_module, str(n.args[0].target), None))
-            if region is not None:  # a forward call (a backward call's module has no record)
+            if region is not None:
+                layers.append(_custom(n, LAYER_KEY))
                 calls.append((len(flops), region))
                 flops += region.flops
                 nbytes += region.bytes
@@ -133,10 +172,14 @@ def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModul
     admitted = _core.admit_matmuls(flops, nbytes, ratio * attention)
     per_call = [tuple(admitted[s:s + len(r.flops)]) for s, r in calls]
     if any(p != r.admitted for p, (_, r) in zip(per_call, calls)):
-        if any(r.stamped for _, r in calls):
-            raise AutospError(
-                "[autosp:outline] internal error: regions outlined by their layers' "
-                "sequence-aware admissions still differ from the choice over every layer; "
-                "compile with regions=False and report this")
-        raise RegionAdmissions(per_call)
+        if None not in layers:
+            raise RegionAdmissions(dict(zip(layers, per_call)))
+        # A call that does not say its layer (its meta did not reach the joint graph): each
+        # region keeps its own choice, exact but not per layer.
+        import warnings
+
+        warnings.warn("[autosp:outline] a region call in the joint graph does not say which "
+                      "layer it stands for: sequence-aware's admissions stay per region, not "
+                      "per layer (exact; what is recomputed may differ from regions=False)",
+                      stacklevel=2)
     return [i for s, i in own if admitted[s]]

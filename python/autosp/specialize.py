@@ -26,6 +26,10 @@ import torch.fx as fx
 
 from autosp.errors import AutospError
 
+#: A bound on the graphs one shape compiles from (autosp.backend makes each attempt change
+#: some layer's admissions, so they end; this only guards against a fault of autosp's).
+_MAX_RETEMPLATES = 8
+
 #: Distinct shapes after which a warning suggests ``dynamic=True`` (each one compiles anew).
 WARN_AFTER = 8
 
@@ -86,7 +90,8 @@ class PerShapeCompiled:
         gm.recompile()
         return gm, [i for i in range(len(args)) if i not in baked]
 
-    def _compile_static(self, args: tuple, template: fx.GraphModule | None = None) -> Callable:
+    def _compile_static(self, args: tuple, template: fx.GraphModule | None = None,
+                        attempts: int = 0) -> Callable:
         """Compiles a copy of the graph for ``args``' shapes: static fake copies of the
         tensors in a fake mode with a shape env of its own (no symbol in it, so nothing to
         guard), traced in a tracing context of that mode as Dynamo traces, so that PyTorch's
@@ -103,10 +108,12 @@ class PerShapeCompiled:
         try:
             with tracing(TracingContext(fake_mode)):
                 fn = self._compile(gm, inputs)
-        except Retemplate as again:  # this shape compiles another graph (once)
-            if template is not None:
-                raise AutospError(f"[autosp:compile] internal error: {again}") from None
-            return self._compile_static(args, again.template)
+        except Retemplate as again:  # this shape compiles another graph
+            if attempts >= _MAX_RETEMPLATES:
+                raise AutospError(f"[autosp:compile] internal error: {again} "
+                                  f"{attempts + 1} times; compile with regions=False and "
+                                  "report this") from None
+            return self._compile_static(args, again.template, attempts + 1)
         if len(keep) == len(args):
             return fn
         return lambda *a: fn(*[a[i] for i in keep])
