@@ -1,0 +1,95 @@
+"""What ``regions=True`` saves and recomputes against the flat compile, per layer.
+
+Each compile runs as rank 0 of an SP group of ``--sp`` against a fake process group, in a
+fresh process with a fresh Inductor cache directory, aot_eager, the reference Llama (hidden
+64), remat ``--remat``; it prints each run's saved bytes and recompute FLOPs from its
+``RematReport``, per layer and in all, and regions / flat::
+
+    .venv/bin/python bench/remat_regions_bytes.py --layers 16 --seq 512   # about 1 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _child(regions: bool, layers: int, seq: int, sp: int, remat: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+    from autosp.remat_policy import RematReport
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=layers,
+                      num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    report = RematReport()
+    compiled = autosp.compile(LlamaForCausalLM(cfg), mesh=autosp.init_mesh(sp),
+                              check_inputs="never", regions=regions, backend="aot_eager",
+                              remat=remat, remat_report=report)
+    compiled(ids, ids).backward()
+    calls = {}  # a region's report names its first layer; every layer calling it counts
+    for line in compiled.last_compile.outlined:
+        layer, _, rest = line.partition(": calls ")
+        if rest:
+            calls.setdefault(rest.split()[0], []).append(layer)
+    per_layer = {}
+    for g in report.graphs:
+        for row in g.layers:
+            members = [row.layer]
+            if g.calls:
+                members = next((m for m in calls.values() if m[0] == row.layer), members)
+            for layer in members:
+                per_layer[layer] = row.recompute_flops
+    print("RESULT " + json.dumps({
+        "saved": report.saved_bytes,
+        "recompute": sum(g.recompute_flops for g in report.graphs if not g.calls),
+        "per_layer": per_layer, "outlined": compiled.last_compile.outlined}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--remat", default="sequence-aware")
+    ap.add_argument("--child", choices=("flat", "regions"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child == "regions", args.layers, args.seq, args.sp, args.remat)
+        return
+    runs = {}
+    for mode in ("flat", "regions"):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="autosp-bytes-")}
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode,
+                              "--layers", str(args.layers), "--seq", str(args.seq),
+                              "--sp", str(args.sp), "--remat", args.remat],
+                             env=env, capture_output=True, text=True, check=False)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
+        runs[mode] = json.loads(line[len("RESULT "):])
+    flat, reg = runs["flat"], runs["regions"]
+    print(f"Llama {args.layers} layers, S {args.seq}, rank 0 of sp {args.sp}, remat {args.remat}")
+    print("regions=True: " + "; ".join(reg["outlined"]))
+    print(f"{'layer':<12}{'flat MFLOP':>12}{'regions MFLOP':>15}")
+    for layer in sorted(flat["per_layer"], key=lambda x: (len(x), x)):
+        if layer.startswith("layers."):
+            print(f"{layer:<12}{flat['per_layer'][layer] / 1e6:>12.2f}"
+                  f"{reg['per_layer'].get(layer, float('nan')) / 1e6:>15.2f}")
+    print(f"saved: flat {flat['saved'] / 1e6:.2f} MB, regions {reg['saved'] / 1e6:.2f} MB "
+          f"({reg['saved'] / flat['saved']:.3f}x); recompute: flat {flat['recompute'] / 1e6:.1f}, "
+          f"regions {reg['recompute'] / 1e6:.1f} MFLOP")
+
+
+if __name__ == "__main__":
+    main()
