@@ -190,16 +190,10 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
             admitted[c] = true;
           }
         } else {
-          const std::vector<int32_t> in_order = matmul_candidates_in_graph_order(graph);
-          std::vector<double> flops;
-          std::vector<int64_t> bytes;
-          for (int32_t c : in_order) {
-            flops.push_back(graph.nodes[c].flops);
-            bytes.push_back(graph.nodes[c].bytes);
-          }
-          const std::vector<bool> chosen_ones =
-              admit_matmuls(flops, bytes, options.recompute_flops_ratio * solution.attention_flops);
-          for (size_t i = 0; i < in_order.size(); ++i) admitted[in_order[i]] = chosen_ones[i];
+          const CandidateCosts costs = candidate_costs(graph);
+          const std::vector<bool> chosen_ones = admit_matmuls(
+              costs.flops, costs.bytes, options.recompute_flops_ratio * solution.attention_flops);
+          for (size_t i = 0; i < costs.nodes.size(); ++i) admitted[costs.nodes[i]] = chosen_ones[i];
         }
         chosen = solve_with(admitted, chosen_bans);
       } else {

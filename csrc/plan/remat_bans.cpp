@@ -179,17 +179,21 @@ std::vector<size_t> admission_order(const std::vector<double>& flops,
   return order;
 }
 
+CandidateCosts candidate_costs(const RematGraph& graph) {
+  CandidateCosts costs;
+  costs.nodes = matmul_candidates_in_graph_order(graph);
+  for (int32_t c : costs.nodes) {
+    costs.flops.push_back(graph.nodes[c].flops);
+    costs.bytes.push_back(graph.nodes[c].bytes);
+  }
+  return costs;
+}
+
 // Matmuls the sequence-aware policy may recompute, most bytes saved per FLOP first.
 std::vector<int32_t> matmul_candidates(const RematGraph& graph) {
-  const std::vector<int32_t> in_order = matmul_candidates_in_graph_order(graph);
-  std::vector<double> flops;
-  std::vector<int64_t> bytes;
-  for (int32_t c : in_order) {
-    flops.push_back(graph.nodes[c].flops);
-    bytes.push_back(graph.nodes[c].bytes);
-  }
+  const CandidateCosts costs = candidate_costs(graph);
   std::vector<int32_t> candidates;
-  for (size_t i : admission_order(flops, bytes)) candidates.push_back(in_order[i]);
+  for (size_t i : admission_order(costs.flops, costs.bytes)) candidates.push_back(costs.nodes[i]);
   return candidates;
 }
 

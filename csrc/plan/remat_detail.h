@@ -65,6 +65,13 @@ void default_bans(const Prepared& p, const RematOptions& options, Bans& bans);
 // cost-model order: most bytes saved per FLOP first, ties in the given order.
 std::vector<size_t> admission_order(const std::vector<double>& flops,
                                     const std::vector<int64_t>& bytes);
+// The matmuls sequence-aware may admit, in graph order, with their forward FLOPs and bytes.
+struct CandidateCosts {
+  std::vector<int32_t> nodes;
+  std::vector<double> flops;
+  std::vector<int64_t> bytes;
+};
+CandidateCosts candidate_costs(const RematGraph& graph);
 // The matmuls the sequence-aware policy may recompute, in cost-model order.
 std::vector<int32_t> matmul_candidates(const RematGraph& graph);
 // Sequence-aware: attention, collectives and random ops banned; matmuls unless `admitted`.
