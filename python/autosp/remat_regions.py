@@ -86,10 +86,12 @@ def applies(options: Any) -> bool:
 
 
 def stamped_admissions(graph: fx.Graph, facts: list[Any]) -> list[int] | None:
-    """A stamped region's admitted matmuls (node indices), or None where it is not stamped."""
+    """A stamped region's admitted matmuls (node indices), or None where it is not stamped
+    (or is a graph that calls regions: autosp's regions call none)."""
     stamp = next((c[ADMIT_KEY] for n in graph.nodes
                   if isinstance(c := n.meta.get("custom"), dict) and ADMIT_KEY in c), None)
-    if stamp is None:
+    if stamp is None or any(n.target is torch.ops.higher_order.invoke_subgraph
+                            for n in graph.nodes):
         return None
     candidates = _core.matmul_candidates(facts)
     if len(candidates) != len(stamp):
