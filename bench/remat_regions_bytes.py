@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 
-def _child(regions: bool, layers: int, seq: int, sp: int, remat: str) -> None:
+def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -32,8 +32,11 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str) -> None:
                       num_heads=4, num_kv_heads=2)
     ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    for name, p in model.named_parameters():  # frozen: parameters under these prefixes
+        p.requires_grad_(not (frozen and name.startswith(tuple(frozen.split(",")))))
     report = RematReport()
-    compiled = autosp.compile(LlamaForCausalLM(cfg), mesh=autosp.init_mesh(sp),
+    compiled = autosp.compile(model, mesh=autosp.init_mesh(sp),
                               check_inputs="never", regions=regions, backend="aot_eager",
                               remat=remat, remat_report=report)
     compiled(ids, ids).backward()
@@ -62,17 +65,20 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--remat", default="sequence-aware")
+    ap.add_argument("--frozen", default="", help="comma-separated parameter name prefixes "
+                    "that take no gradient (e.g. embed_tokens,layers.0.,layers.1.)")
     ap.add_argument("--child", choices=("flat", "regions"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child == "regions", args.layers, args.seq, args.sp, args.remat)
+        _child(args.child == "regions", args.layers, args.seq, args.sp, args.remat, args.frozen)
         return
     runs = {}
     for mode in ("flat", "regions"):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="autosp-bytes-")}
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode,
                               "--layers", str(args.layers), "--seq", str(args.seq),
-                              "--sp", str(args.sp), "--remat", args.remat],
+                              "--sp", str(args.sp), "--remat", args.remat,
+                              "--frozen", args.frozen],
                              env=env, capture_output=True, text=True, check=False)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

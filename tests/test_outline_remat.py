@@ -88,7 +88,8 @@ def test_sequence_aware_admissions_stay_per_layer_with_regions() -> None:
 
 
 def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: int = 4,
-                     frozen: tuple[str, ...] = (), reset: bool = True) -> list[dict[str, Any]]:
+                     frozen: tuple[str, ...] = (), reset: bool = True,
+                     regions: bool = True) -> list[dict[str, Any]]:
     """Rank 0 of 2 (fake process group), aot_eager: the same model compiled once per length
     in ``seqs`` with one fresh cache directory, Dynamo reset in between (what a second
     process finds) unless ``reset`` is False (one compiled module called at each length).
@@ -136,7 +137,7 @@ def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: 
                 p.requires_grad_(not name.startswith(frozen))
             report = RematReport()
             compiled = autosp.compile(model, mesh=autosp.init_mesh(2), check_inputs="never",
-                                      backend="aot_eager", regions=True, dynamic=dynamic,
+                                      backend="aot_eager", regions=regions, dynamic=dynamic,
                                       remat_report=report)
         compiled(ids, ids).backward()
         out.append({"attempts": list(attempts), "outlined": compiled.last_compile.outlined,
@@ -173,18 +174,22 @@ def test_admissions_kept_at_one_length_are_corrected_at_another() -> None:
     assert second["outlined"] != first["outlined"], second
 
 
-@pytest.mark.slow  # 40 s on 2 cores
+@pytest.mark.slow  # 60 s on 2 cores
 def test_regions_called_without_gradients_keep_their_layers() -> None:
     """Fine-tuning with the embedding and layers 0-1 frozen, 6 layers, S 512: the frozen
     layers' region is never partitioned (no gradient), so it has no record; the choice over the
-    other calls is keyed by the layer each call says it stands for. Before: "internal error: 3
-    region calls' admissions for 5 calls" (breaker helper-41)."""
-    run, = _in_fresh_process(_fake_rank_twice, True, (512,), 6,
-                             ("embed_tokens", "layers.0.", "layers.1."))
+    other calls is keyed by the layer each call says it stands for, and counts the frozen
+    calls' matmuls and attention as the flat choice does (from their graphs). Before: "internal
+    error: 3 region calls' admissions for 5 calls" (breaker helper-41); then, without the frozen
+    calls counted, 57.7 MFLOP recomputed against 26.7 flat."""
+    frozen = ("embed_tokens", "layers.0.", "layers.1.")
+    run, = _in_fresh_process(_fake_rank_twice, True, (512,), 6, frozen)
+    flat, = _in_fresh_process(_fake_rank_twice, True, (512,), 6, frozen, True, False)
     assert run["attempts"][-1] == "compiled", run
     lines = run["outlined"]
     assert lines[0].startswith("layers.0: calls ") and lines[1].startswith(
         lines[0].replace("layers.0", "layers.1").split(" (")[0]), lines
+    assert run["recompute"] == pytest.approx(flat["recompute"], rel=1e-9), (run, flat)
 
 
 @pytest.mark.slow  # 40 s on 2 cores

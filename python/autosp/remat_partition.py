@@ -187,7 +187,7 @@ def _partition_graphs(
         bw_module = partitioners.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
 
     if per_layer:
-        remat_regions.record(choices, fw_module, facts, solution)
+        remat_regions.record(choices, fw_module, bw_module, facts, solution)
     if report is not None:
         graph_report = _graph_report(policy, solution, facts, solve_seconds, offload_copies,
                                      offloaded_bytes)

@@ -71,10 +71,12 @@ class _Region:
 
 
 class RegionChoices:
-    """One compile's records: each region's, by the forward module its partition returned."""
+    """One compile's records: each region's, by the forward module its partition returned,
+    and the backward modules its partitions returned."""
 
     def __init__(self) -> None:
         self.regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.backwards: weakref.WeakSet = weakref.WeakSet()
 
 
 def applies(options: Any) -> bool:
@@ -128,14 +130,32 @@ def split_early(graph: fx.Graph, facts: list[Any], ratio: float) -> None:
         raise RegionAdmissions(dict(zip(layers, own)))
 
 
-def record(choices: RegionChoices, fw_module: fx.GraphModule, facts: list[Any],
-           solution: Any) -> None:
+def record(choices: RegionChoices, fw_module: fx.GraphModule, bw_module: fx.GraphModule,
+           facts: list[Any], solution: Any) -> None:
     """What a partition saw and admitted, for the graphs that call it."""
     candidates = _core.matmul_candidates(facts)
     admitted = set(solution.admitted)
     choices.regions[fw_module] = _Region(
         tuple(facts[c].flops for c in candidates), tuple(facts[c].bytes for c in candidates),
         solution.attention_flops, tuple(c in admitted for c in candidates))
+    choices.backwards.add(bw_module)
+
+
+def _unpartitioned(module: fx.GraphModule) -> _Region:
+    """A region called without gradients, which no partition saw: its matmuls and attention
+    as the flat graph's choice sees them (forward nodes all), by the same facts and rules."""
+    import types
+
+    from autosp.remat_facts import gather_facts
+
+    nodes = [n for n in module.graph.nodes if n.op != "output"]
+    info = types.SimpleNamespace(required_fw_nodes=nodes, required_bw_nodes=[],
+                                 tangents_closure=[], static_lifetime_input_nodes=[])
+    _, facts = gather_facts(module.graph, info)
+    candidates = _core.matmul_candidates(facts)
+    return _Region(tuple(facts[c].flops for c in candidates),
+                   tuple(facts[c].bytes for c in candidates), _core.attention_flops(facts),
+                   (False,) * len(candidates))
 
 
 def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModule,
@@ -155,13 +175,16 @@ def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModul
     layers: list[str | None] = []
     for i, n in enumerate(nodes):
         if n.target is hop and isinstance(n.args[0], fx.Node):
-            # A forward call of a partitioned region (a backward call's module has no record;
-            # nor has a region called without gradients, whose matmuls and attention the
-            # choice then does not see).
-            region = choices.regions.get(getattr(joint_module, str(n.args[0].target), None))
+            # A forward call of a partitioned region, a backward call (not counted: its
+            # region's record has its backward attention), or a call without gradients.
+            module = getattr(joint_module, str(n.args[0].target), None)
+            region = choices.regions.get(module)
             if region is not None:
                 layers.append(_custom(n, LAYER_KEY))
                 calls.append((len(flops), region))
+            elif isinstance(module, fx.GraphModule) and module not in choices.backwards:
+                region = _unpartitioned(module)  # counted, as flat; it recomputes nothing
+            if region is not None:
                 flops += region.flops
                 nbytes += region.bytes
                 attention += region.attention_flops
