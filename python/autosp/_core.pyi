@@ -565,6 +565,12 @@ class RematOptions:
     @offload_layer_saved.setter
     def offload_layer_saved(self, arg: bool, /) -> None: ...
 
+    @property
+    def admitted(self) -> list[int] | None: ...
+
+    @admitted.setter
+    def admitted(self, arg: Sequence[int] | None, /) -> None: ...
+
 class RematLayerSummary:
     @property
     def layer(self) -> str: ...
@@ -625,6 +631,9 @@ class RematSolution:
     def admitted_matmuls(self) -> int: ...
 
     @property
+    def admitted(self) -> list[int]: ...
+
+    @property
     def cut_value(self) -> int: ...
 
     @property
@@ -642,6 +651,19 @@ class RematSolution:
 def solve_remat(nodes: Sequence[RematNode], options: RematOptions) -> RematSolution:
     """
     Decide which forward values to save for the backward (see csrc/plan/remat.h).
+    """
+
+def attention_flops(nodes: Sequence[RematNode]) -> float:
+    """The graph's attention FLOPs (see csrc/plan/remat.h)."""
+
+def matmul_candidates(nodes: Sequence[RematNode]) -> list[int]:
+    """
+    The matmuls sequence-aware may admit, in graph order (csrc/plan/remat.h).
+    """
+
+def admit_matmuls(flops: Sequence[float], bytes: Sequence[int], allowance: float) -> list[bool]:
+    """
+    Sequence-aware's choice among matmuls given in graph order (csrc/plan/remat.h).
     """
 
 class SeqTerm:
