@@ -1,6 +1,7 @@
-"""``regions=True`` keeps remat decisions per layer (autosp.remat_regions): where sequence-aware's
-FLOP allowance ends part-way through the layers, the layers that differ call subgraphs of their
-own, and every layer recomputes what the flat compile's layer recomputes."""
+"""``regions=True`` keeps remat decisions per layer (autosp.remat_regions): sequence-aware admits
+a matmul in every alike layer or in none, so alike layers share one subgraph; layers that differ
+(here: every other layer has a wider MLP) get their own admissions, chosen over the whole graph,
+and every layer recomputes what the flat compile's layer recomputes."""
 
 from __future__ import annotations
 
@@ -36,7 +37,19 @@ def _per_layer(report: Any, outlined: list[str]) -> dict[str, tuple[int, float]]
     return out
 
 
-def _worker(rank: int, world: int, seq: int) -> dict[str, Any]:
+def _widen_odd_layers(model: torch.nn.Module) -> None:
+    """Every other decoder layer gets an MLP twice as wide: two classes of alike layers."""
+    import dataclasses
+
+    from autosp.models.llama import MLP
+
+    for i, layer in enumerate(model.layers):
+        if i % 2:
+            cfg = model.config
+            layer.mlp = MLP(dataclasses.replace(cfg, intermediate_size=2 * cfg.intermediate_size))
+
+
+def _worker(rank: int, world: int, seq: int, wide: bool) -> dict[str, Any]:
     import autosp
     from autosp.models.llama import LlamaForCausalLM
     from autosp.remat_policy import RematReport
@@ -44,6 +57,8 @@ def _worker(rank: int, world: int, seq: int) -> dict[str, Any]:
     mesh = autosp.init_mesh(world)
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(4, 2, num_layers=4, vocab_size=256))
+    if wide:
+        _widen_odd_layers(model)
     ids, labels = make_batch(256, 2, seq, seed=1)
     out: dict[str, Any] = {}
     for regions in (True, False):
@@ -62,38 +77,45 @@ def _worker(rank: int, world: int, seq: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow  # 50 s on 2 cores
-def test_sequence_aware_admissions_stay_per_layer_with_regions() -> None:
-    """World 2, 4 layers, S 512, aot_eager: the flat compile admits the MLP's matmuls in layers
-    0 and 1, part of them in layer 2 and fewer in layer 3 (its allowance, 0.1x the attention
-    FLOPs of all layers, ends part-way). Before, every outlined layer got one region's
-    choice (a quarter of the allowance: the MLP's matmuls did not fit): 4 admitted of 19,
-    recompute 16.8 against 57.7 MFLOP, 1.26x the flat compile's saved bytes. Now layers 0-1 call
-    one subgraph stamped with their admissions, layers 2 and 3 (each alike no other) stay
-    inline, every layer admits what it admits flat, and the step is exact against one device."""
-    for rank, r in enumerate(run_ranks(2, _worker, 512)):
+@pytest.mark.slow  # 50 s each on 2 cores
+@pytest.mark.parametrize("wide", [False, True])
+def test_alike_layers_admit_alike_and_each_layer_as_flat(wide: bool) -> None:
+    """World 2, 4 layers, S 512, aot_eager. Alike layers: the flat compile admits the same
+    matmuls in every layer (before: all of the MLP's in layers 0-1, part in layer 2, fewer in
+    layer 3, where the allowance ended), and with regions all four call one subgraph. With
+    every other MLP twice as wide, the two classes admit differently: layers 0 and 2 call one
+    subgraph, 1 and 3 another, each stamped with its admissions, and every layer recomputes
+    what it recomputes flat. The step is exact against one device either way."""
+    for rank, r in enumerate(run_ranks(2, _worker, 512, wide)):
         assert_step_exact(r, f"rank {rank}")
         flat, regions = r[False], r[True]
         assert regions["per_layer"] == flat["per_layer"], (regions["per_layer"], flat["per_layer"])
         assert regions["recompute"] == pytest.approx(flat["recompute"], rel=1e-9)
-        counts = [flat["per_layer"][f"layers.{i}"][0] for i in range(4)]
-        assert counts[0] == counts[1] > counts[2] > counts[3], counts  # the allowance ends part-way
+        per_layer = [flat["per_layer"][f"layers.{i}"] for i in range(4)]
         lines = regions["outlined"]
-        assert lines[0].startswith("layers.0: calls autosp_layer_0_r") and \
-            lines[1].startswith(lines[0].replace("layers.0", "layers.1").split(" (")[0]), lines
-        assert lines[2:] == ["layers.2: not outlined: no other layer is alike",
-                             "layers.3: not outlined: no other layer is alike"], lines
+        if wide:
+            assert per_layer[0] == per_layer[2] != per_layer[1] == per_layer[3], per_layer
+            assert per_layer[1][1] > 0, per_layer
+            first, second = (line.split(" (")[0] for line in (lines[0], lines[2]))
+            assert first.startswith("layers.0: calls autosp_layer_0_r"), lines
+            assert lines[1].startswith(first.replace("layers.0", "layers.2")), lines
+            assert second.startswith("layers.1: calls autosp_layer_1_r"), lines
+            assert lines[3].startswith(second.replace("layers.1", "layers.3")), lines
+        else:
+            assert len(set(per_layer)) == 1 and per_layer[0][1] > 0, per_layer
+            assert lines == [f"layers.{i}: calls autosp_layer_0" for i in range(4)], lines
         # What is left is where a region's outputs are saved (remat none: 1.6% more, docs).
         assert flat["saved"] <= regions["saved"] <= 1.05 * flat["saved"], (regions["saved"], flat["saved"])
 
 
 def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: int = 4,
                      frozen: tuple[str, ...] = (), reset: bool = True,
-                     regions: bool = True) -> list[dict[str, Any]]:
+                     regions: bool = True, wide: bool = True) -> list[dict[str, Any]]:
     """Rank 0 of 2 (fake process group), aot_eager: the same model compiled once per length
     in ``seqs`` with one fresh cache directory, Dynamo reset in between (what a second
     process finds) unless ``reset`` is False (one compiled module called at each length).
-    Parameters under the prefixes ``frozen`` take no gradient. Per call: the attempts
+    Parameters under the prefixes ``frozen`` take no gradient; with ``wide``, every other
+    layer's MLP is twice as wide (:func:`_widen_odd_layers`). Per call: the attempts
     (compile_graph calls, and which raised), the lines, the recompute FLOPs."""
     import os
     import sys
@@ -133,6 +155,8 @@ def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: 
             torch._dynamo.reset()
             torch.manual_seed(0)
             model = LlamaForCausalLM(cfg)
+            if wide:
+                _widen_odd_layers(model)
             for name, p in model.named_parameters():
                 p.requires_grad_(not name.startswith(frozen))
             report = RematReport()
@@ -149,9 +173,11 @@ def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: 
 @pytest.mark.slow  # 40 s each on 2 cores: four aot_eager compiles
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_admissions_found_once_are_reused_by_a_later_process(dynamic: bool) -> None:
-    """The first compile stops at the first region's partition (its calls' admissions already
-    differ), outlines again by them and compiles that; the report keeps only the graphs of the
-    compile that made it (2: one region, the calling graph). A second process with the same
+    """The first compile finds at the calling graph's partition that the narrow layers' region,
+    partitioned with its own calls' choice, admits what the choice over every layer does not
+    (the wide layers' matmuls take the allowance first), outlines again by the admissions and
+    compiles that; the report keeps only the graphs of the compile that made it (3: two
+    regions, the calling graph). A second process with the same
     cache directory outlines by the admissions kept there at once: one attempt, same lines,
     same recompute FLOPs. With dynamic=False, through autosp.specialize's Retemplate."""
     first, second = _in_fresh_process(_fake_rank_twice, dynamic)
@@ -159,7 +185,18 @@ def test_admissions_found_once_are_reused_by_a_later_process(dynamic: bool) -> N
     assert second["attempts"] == ["compiled"], second
     assert second["outlined"] == first["outlined"], (first, second)
     assert "calls autosp_layer_0_r" in first["outlined"][0], first
-    assert second["recompute"] == first["recompute"] > 0 and first["graphs"] == 2, (first, second)
+    assert second["recompute"] == first["recompute"] > 0 and first["graphs"] == 3, (first, second)
+
+
+@pytest.mark.slow  # 20 s on 2 cores
+def test_alike_layers_compile_in_one_attempt() -> None:
+    """Alike layers only: the region's choice over its own calls is the choice over every
+    layer, so the first attempt compiles (before, the allowance ended part-way through the
+    layers: the first attempt stopped, and the layers compiled as three subgraphs)."""
+    run, = _in_fresh_process(_fake_rank_twice, True, (512,), 4, (), True, True, False)
+    assert run["attempts"] == ["compiled"], run
+    assert run["outlined"] == [f"layers.{i}: calls autosp_layer_0" for i in range(4)], run
+    assert run["recompute"] > 0 and run["graphs"] == 2, run
 
 
 @pytest.mark.slow  # 60 s on 2 cores
@@ -183,8 +220,8 @@ def test_regions_called_without_gradients_keep_their_layers() -> None:
     error: 3 region calls' admissions for 5 calls" (breaker helper-41); then, without the frozen
     calls counted, 57.7 MFLOP recomputed against 26.7 flat."""
     frozen = ("embed_tokens", "layers.0.", "layers.1.")
-    run, = _in_fresh_process(_fake_rank_twice, True, (512,), 6, frozen)
-    flat, = _in_fresh_process(_fake_rank_twice, True, (512,), 6, frozen, True, False)
+    run, = _in_fresh_process(_fake_rank_twice, True, (512,), 6, frozen, True, True, False)
+    flat, = _in_fresh_process(_fake_rank_twice, True, (512,), 6, frozen, True, False, False)
     assert run["attempts"][-1] == "compiled", run
     lines = run["outlined"]
     assert lines[0].startswith("layers.0: calls ") and lines[1].startswith(
@@ -194,11 +231,11 @@ def test_regions_called_without_gradients_keep_their_layers() -> None:
 
 @pytest.mark.slow  # 40 s on 2 cores
 def test_each_shape_reports_its_own_outline() -> None:
-    """dynamic=False, one compiled module at S 512 (its layers' admissions differ: outlined
-    again) and then S 2048 (every layer admits every matmul): the record shows the outline S
-    2048 compiled, every layer calling one subgraph, not S 512's (breaker helper-41 found the
-    earlier shape's lines kept)."""
+    """dynamic=False, one compiled module at S 512 (the narrow layers' region admits other
+    matmuls than its own calls' choice: outlined again, stamped) and then S 2048 (every layer
+    admits every matmul): the record shows the outline S 2048 compiled, not S 512's (breaker
+    helper-41 found the earlier shape's lines kept)."""
     short, long = _in_fresh_process(_fake_rank_twice, False, (512, 2048), 4, (), False)
     assert "calls autosp_layer_0_r" in short["outlined"][0], short
-    assert long["attempts"] == ["compiled"], long
-    assert long["outlined"] == [f"layers.{i}: calls autosp_layer_0" for i in range(4)], long
+    assert long["outlined"] != short["outlined"], (short, long)
+    assert all("_r" not in line or "admits 3 of its 3" in line for line in long["outlined"]), long

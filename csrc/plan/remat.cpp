@@ -191,8 +191,9 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
           }
         } else {
           const CandidateCosts costs = candidate_costs(graph);
-          const std::vector<bool> chosen_ones = admit_matmuls(
-              costs.flops, costs.bytes, options.recompute_flops_ratio * solution.attention_flops);
+          const std::vector<bool> chosen_ones =
+              admit_matmuls(costs.flops, costs.bytes,
+                            options.recompute_flops_ratio * solution.attention_flops, costs.layers);
           for (size_t i = 0; i < costs.nodes.size(); ++i) admitted[costs.nodes[i]] = chosen_ones[i];
         }
         chosen = solve_with(admitted, chosen_bans);

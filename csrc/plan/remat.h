@@ -205,16 +205,25 @@ RematSolution solve_remat(const RematGraph& graph, const RematOptions& options);
 double attention_flops(const RematGraph& graph);
 
 // The matmuls sequence-aware may admit for recomputation (forward, not must-save, with
-// FLOPs), in graph order. (solve_remat asks this of the graph after the ZeRO-3 rule above,
-// which changes no matmul.)
+// FLOPs, not a layer's output to the next, and whose recomputation can spare a saved value: the
+// backward reads their output, or what cheap ops and views compute from it within the layer),
+// in graph order. (solve_remat asks this of the graph after the ZeRO-3 rule above, which
+// changes no matmul.)
 std::vector<int32_t> matmul_candidates_in_graph_order(const RematGraph& graph);
 
-// Sequence-aware's choice among matmuls with forward `flops` and output `bytes` (in graph
-// order): in order of bytes saved per FLOP, most first (ties in graph order), each one that still
-// fits within `allowance` FLOPs with those admitted before it. solve_remat makes its choice
-// with this; autosp's regions make it over every call of a region (remat_regions.py).
+// Sequence-aware's choice among matmuls with forward `flops`, output `bytes` and `layers`
+// (RematNode::layer; empty: none known), in graph order. Matmuls alike across layers form one
+// class: the same place among their layer's candidates, in layers whose paths differ only in
+// their number ("layers.3", "layers.7"), with equal FLOPs and bytes. A matmul outside numbered
+// layers is a class of its own. Classes are admitted whole, in order of bytes saved per FLOP,
+// most first (ties: the class of most FLOPs first, then graph order of first members), each one
+// whose FLOPs still fit within
+// `allowance` with those admitted before it. So alike layers recompute alike (a subgraph
+// compiled once serves them all, and no layer saves what its twin recomputes), and layers that
+// differ are decided apart. solve_remat makes its choice with this; autosp's regions make it
+// over every call of a region (remat_regions.py).
 std::vector<bool> admit_matmuls(const std::vector<double>& flops, const std::vector<int64_t>& bytes,
-                                double allowance);
+                                double allowance, const std::vector<std::string>& layers = {});
 
 const char* to_string(RematPolicy policy);
 const char* to_string(RematOpKind kind);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <queue>
 #include <stdexcept>
 #include <string>
@@ -173,8 +174,11 @@ std::vector<size_t> admission_order(const std::vector<double>& flops,
   std::vector<size_t> order(flops.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    // bytes[a] / flops[a] > bytes[b] / flops[b], without dividing.
-    return static_cast<double>(bytes[a]) * flops[b] > static_cast<double>(bytes[b]) * flops[a];
+    // bytes[a] / flops[a] against bytes[b] / flops[b], without dividing.
+    const double lhs = static_cast<double>(bytes[a]) * flops[b];
+    const double rhs = static_cast<double>(bytes[b]) * flops[a];
+    if (lhs != rhs) return lhs > rhs;
+    return flops[a] > flops[b];  // ties: the larger first
   });
   return order;
 }
@@ -185,6 +189,7 @@ CandidateCosts candidate_costs(const RematGraph& graph) {
   for (int32_t c : costs.nodes) {
     costs.flops.push_back(graph.nodes[c].flops);
     costs.bytes.push_back(graph.nodes[c].bytes);
+    costs.layers.push_back(graph.nodes[c].layer);
   }
   return costs;
 }
@@ -277,31 +282,104 @@ double attention_flops(const RematGraph& graph) {
   return flops;
 }
 
+namespace {
+
+bool is_backward(const RematNode& node) { return node.required_bw && node.tangents_closure; }
+
+// Whether recomputing matmul `c` can spare the forward a saved value: the backward reads its
+// output, or the output of a forward op computed from it by cheap ops and views alone (which
+// the cut may recompute with it), not crossing a layer's output to the next layer (never
+// recomputed). A matmul whose output the backward never reads (an attention output projection
+// feeding the residual add; the head, whose loss saves its own values) frees nothing when
+// recomputed, and admitting it would only spend the FLOP allowance.
+bool recompute_can_spare(const RematGraph& graph, int32_t c) {
+  std::vector<int32_t> stack{c};
+  std::vector<bool> seen(graph.nodes.size(), false);
+  seen[c] = true;
+  while (!stack.empty()) {
+    const int32_t i = stack.back();
+    stack.pop_back();
+    for (int32_t u : graph.nodes[i].users) {
+      const RematNode& user = graph.nodes[u];
+      if (is_backward(user)) return true;
+      const bool cheap = user.kind == RematOpKind::kCheap || user.kind == RematOpKind::kView;
+      if (cheap && user.required_fw && !seen[u] && !remat_detail::leaves_layer(graph, u)) {
+        seen[u] = true;
+        stack.push_back(u);
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 std::vector<int32_t> matmul_candidates_in_graph_order(const RematGraph& graph) {
   std::vector<int32_t> candidates;
   for (int32_t i = 0; i < static_cast<int32_t>(graph.nodes.size()); ++i) {
     const RematNode& node = graph.nodes[i];
     if (node.required_fw && node.kind == RematOpKind::kMatmul && !node.must_save &&
-        node.flops > 0) {
+        node.flops > 0 && !remat_detail::leaves_layer(graph, i) && recompute_can_spare(graph, i)) {
       candidates.push_back(i);
     }
   }
   return candidates;
 }
 
-std::vector<bool> admit_matmuls(const std::vector<double>& flops, const std::vector<int64_t>& bytes,
-                                double allowance) {
-  if (flops.size() != bytes.size()) {
-    throw std::invalid_argument("[remat] admit_matmuls: flops and bytes differ in length");
+namespace {
+
+// admit_matmuls' classes: for each matmul, a class number (numbered in order of first member).
+std::vector<int32_t> alike_matmul_classes(const std::vector<double>& flops,
+                                          const std::vector<int64_t>& bytes,
+                                          const std::vector<std::string>& layers) {
+  if (flops.size() != bytes.size() || (!layers.empty() && layers.size() != flops.size())) {
+    throw std::invalid_argument("[remat] admit_matmuls: flops, bytes and layers differ in length");
   }
-  std::vector<bool> admitted(flops.size(), false);
+  // (the layer's path without its number, place among the layer's candidates, FLOPs, bytes)
+  using Key = std::tuple<std::string, int32_t, double, int64_t>;
+  std::map<Key, int32_t> class_of;
+  std::map<std::string, int32_t> seen_in_layer;
+  std::vector<int32_t> classes(flops.size());
+  int32_t next = 0;
+  for (size_t i = 0; i < flops.size(); ++i) {
+    if (layers.empty() || !is_numbered_layer(layers[i])) {
+      classes[i] = next++;
+      continue;
+    }
+    const std::string& layer = layers[i];
+    const std::string stem = layer.substr(0, layer.find_last_not_of("0123456789") + 1);
+    const Key key{stem, seen_in_layer[layer]++, flops[i], bytes[i]};
+    auto [it, inserted] = class_of.try_emplace(key, next);
+    if (inserted) ++next;
+    classes[i] = it->second;
+  }
+  return classes;
+}
+
+}  // namespace
+
+std::vector<bool> admit_matmuls(const std::vector<double>& flops, const std::vector<int64_t>& bytes,
+                                double allowance, const std::vector<std::string>& layers) {
+  const std::vector<int32_t> classes = alike_matmul_classes(flops, bytes, layers);
+  // One unit per class, in the order of its first member; its members share FLOPs and bytes,
+  // so the unit's bytes per FLOP are each member's.
+  const int32_t n = classes.empty() ? 0 : *std::max_element(classes.begin(), classes.end()) + 1;
+  std::vector<double> unit_flops(n, 0);
+  std::vector<int64_t> unit_bytes(n, 0);
+  for (size_t i = 0; i < classes.size(); ++i) {
+    unit_flops[classes[i]] += flops[i];
+    unit_bytes[classes[i]] += bytes[i];
+  }
+  std::vector<bool> unit_admitted(n, false);
   double used = 0;
-  for (size_t i : remat_detail::admission_order(flops, bytes)) {
-    if (used + flops[i] <= allowance) {
-      admitted[i] = true;
-      used += flops[i];
+  for (size_t u : remat_detail::admission_order(unit_flops, unit_bytes)) {
+    if (used + unit_flops[u] <= allowance) {
+      unit_admitted[u] = true;
+      used += unit_flops[u];
     }
   }
+  std::vector<bool> admitted(flops.size(), false);
+  for (size_t i = 0; i < classes.size(); ++i) admitted[i] = unit_admitted[classes[i]];
   return admitted;
 }
 

@@ -661,9 +661,9 @@ def matmul_candidates(nodes: Sequence[RematNode]) -> list[int]:
     The matmuls sequence-aware may admit, in graph order (csrc/plan/remat.h).
     """
 
-def admit_matmuls(flops: Sequence[float], bytes: Sequence[int], allowance: float) -> list[bool]:
+def admit_matmuls(flops: Sequence[float], bytes: Sequence[int], allowance: float, layers: Sequence[str] = []) -> list[bool]:
     """
-    Sequence-aware's choice among matmuls given in graph order (csrc/plan/remat.h).
+    Sequence-aware's choice among matmuls given in graph order, alike layers alike (csrc/plan/remat.h).
     """
 
 class SeqTerm:

@@ -2,9 +2,10 @@
 
 ``"sequence-aware"`` admits matmuls for recomputation while their FLOPs stay within a share of
 the whole graph's attention FLOPs (``_core.admit_matmuls``), so the choice is one over every
-layer: the allowance can end part-way through the layers, and then the first layers recompute a
-matmul the later ones save. A region's subgraph is partitioned once for every layer that calls
-it, on its own joint graph, where that choice cannot be seen. So:
+layer. It admits a matmul in every alike layer or in none (by class: see csrc/plan/remat.h),
+so the calls of one region agree; but a region's subgraph is partitioned once for every layer
+that calls it, on its own joint graph, where the rest of the graph (the head's matmuls, other
+regions, layers of another stack or width) cannot be seen, and that can change what fits. So:
 
 1. each region's partition records what it saw (its candidate matmuls' FLOPs and bytes, its
    attention FLOPs) and what it admitted (:func:`record`). Before that, a region not yet
@@ -23,7 +24,7 @@ it, on its own joint graph, where that choice cannot be seen. So:
    (:func:`stamped_admissions`), and the choice over every call then agrees.
 
 Each attempt changes some layer's admissions (the backend checks it), so they end; the usual
-count is two (three where the calling graph's own matmuls move the split). What each layer
+count is one (two where the rest of the graph changes what fits). What each layer
 needs is kept beside the caches (autosp.compile_cache.save_admissions): a later process outlines
 by it at once.
 """
@@ -124,7 +125,8 @@ def split_early(graph: fx.Graph, facts: list[Any], ratio: float) -> None:
     flops = [facts[c].flops for c in candidates] * len(layers)
     nbytes = [facts[c].bytes for c in candidates] * len(layers)
     admitted = _core.admit_matmuls(flops, nbytes,
-                                   ratio * _core.attention_flops(facts) * len(layers))
+                                   ratio * _core.attention_flops(facts) * len(layers),
+                                   [layer for layer in layers for _ in candidates])
     own = [tuple(admitted[i * m:(i + 1) * m]) for i in range(len(layers))]
     if len(set(own)) > 1:
         raise RegionAdmissions(dict(zip(layers, own)))
@@ -169,6 +171,7 @@ def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModul
     hop = torch.ops.higher_order.invoke_subgraph
     flops: list[float] = []
     nbytes: list[int] = []
+    layer_of: list[str] = []  # each candidate's layer, for admit_matmuls' classes
     attention = _core.attention_flops(facts)
     calls: list[tuple[int, _Region]] = []
     own: list[tuple[int, int]] = []
@@ -187,14 +190,16 @@ def calling_graph_admissions(choices: RegionChoices, joint_module: fx.GraphModul
             if region is not None:
                 flops += region.flops
                 nbytes += region.bytes
+                layer_of += [_custom(n, LAYER_KEY) or ""] * len(region.flops)
                 attention += region.attention_flops
         elif i in own_candidates:
             own.append((len(flops), i))
             flops.append(facts[i].flops)
             nbytes.append(facts[i].bytes)
+            layer_of.append(facts[i].layer)
     if not calls:
         return None
-    admitted = _core.admit_matmuls(flops, nbytes, ratio * attention)
+    admitted = _core.admit_matmuls(flops, nbytes, ratio * attention, layer_of)
     per_call = [tuple(admitted[s:s + len(r.flops)]) for s, r in calls]
     if any(p != r.admitted for p, (_, r) in zip(per_call, calls)):
         if None not in layers:

@@ -151,5 +151,7 @@ void init_remat(nb::module_& m) {
       },
       "nodes"_a, "The matmuls sequence-aware may admit, in graph order (csrc/plan/remat.h).");
   m.def("admit_matmuls", &admit_matmuls, "flops"_a, "bytes"_a, "allowance"_a,
-        "Sequence-aware's choice among matmuls given in graph order (csrc/plan/remat.h).");
+        "layers"_a = std::vector<std::string>{},
+        "Sequence-aware's choice among matmuls given in graph order, alike layers alike "
+        "(csrc/plan/remat.h).");
 }

@@ -213,14 +213,86 @@ TEST(Remat, AdmittedMatmulsGivenOverrideTheAllowance) {
 }
 
 TEST(Remat, AdmitMatmulsTakesMostBytesPerFlopFirstWhileTheyFit) {
-  // bytes/FLOP: 10, 5, 10, 1. Order: 0, 2 (tie with 0: graph order), 1, 3.
+  // bytes/FLOP: 10, 5, 10, 1. Order: 2 (ties with 0: the larger first), 0, 1, 3.
   const std::vector<double> flops{1, 2, 3, 1};
   const std::vector<int64_t> bytes{10, 10, 30, 1};
-  EXPECT_EQ(admit_matmuls(flops, bytes, 3.5), (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(admit_matmuls(flops, bytes, 3.5), (std::vector<bool>{false, false, true, false}));
   EXPECT_EQ(admit_matmuls(flops, bytes, 4), (std::vector<bool>{true, false, true, false}));
+  // 2 does not fit, 0 does, 1 then does not, 3 does.
+  EXPECT_EQ(admit_matmuls(flops, bytes, 2.5), (std::vector<bool>{true, false, false, true}));
+  // Equal ties go in graph order.
+  EXPECT_EQ(admit_matmuls({1, 1}, {10, 10}, 1), (std::vector<bool>{true, false}));
   EXPECT_EQ(admit_matmuls(flops, bytes, 7), (std::vector<bool>{true, true, true, true}));
   EXPECT_EQ(admit_matmuls(flops, bytes, 0), (std::vector<bool>{false, false, false, false}));
   EXPECT_THROW(admit_matmuls(flops, {1}, 1), std::invalid_argument);
+}
+
+TEST(Remat, OnlyMatmulsWhoseRecomputationCanSpareASavedValueAreCandidates) {
+  using K = RematOpKind;
+  GraphBuilder b;
+  const int32_t x = b.add({.name = "x", .kind = K::kInput, .bytes = 100, .primal = true});
+  const int32_t w =
+      b.add({.name = "w", .kind = K::kInput, .bytes = 100, .primal = true, .param = true});
+  // read by the backward through a cheap op and a view
+  const int32_t read =
+      b.add({.name = "read", .kind = K::kMatmul, .bytes = 100, .flops = 1e3, .inputs = {x, w}});
+  const int32_t act = b.add({.name = "act", .kind = K::kCheap, .bytes = 100, .inputs = {read}});
+  const int32_t view = b.add({.name = "view", .kind = K::kView, .bytes = 100, .inputs = {act}});
+  // its output only summed into a value the backward never reads
+  const int32_t unread = b.add(
+      {.name = "unread", .kind = K::kMatmul, .bytes = 100, .flops = 1e3, .inputs = {view, w}});
+  const int32_t sum =
+      b.add({.name = "sum", .kind = K::kCheap, .bytes = 100, .inputs = {unread, x}});
+  // read by the backward only past a non-cheap op
+  const int32_t past =
+      b.add({.name = "past", .kind = K::kMatmul, .bytes = 100, .flops = 1e3, .inputs = {sum, w}});
+  const int32_t other = b.add({.name = "other", .kind = K::kOther, .bytes = 100, .inputs = {past}});
+  const int32_t tangent =
+      b.add({.name = "tangent", .kind = K::kInput, .bytes = 100, .fw = false, .tangent = true});
+  b.add({.name = "bw",
+         .kind = K::kMatmul,
+         .bytes = 100,
+         .flops = 1e3,
+         .inputs = {view, other, tangent},
+         .fw = false,
+         .tangent = true});
+  EXPECT_EQ(matmul_candidates_in_graph_order(b.graph), (std::vector<int32_t>{read}));
+  // A numbered layer's output to the next layer is never recomputed: not a candidate either.
+  GraphBuilder layered = b;
+  for (RematNode& node : layered.graph.nodes) node.layer = node.required_fw ? "layers.0" : "";
+  layered.graph.nodes[act].layer = "layers.1";
+  EXPECT_EQ(matmul_candidates_in_graph_order(layered.graph), std::vector<int32_t>{});
+}
+
+TEST(Remat, AdmitMatmulsAdmitsAMatmulInEveryAlikeLayerOrInNone) {
+  // Two alike layers of two matmuls, and a head. bytes/FLOP 10, 5, 10, 5, 1.
+  const std::vector<double> flops{1, 2, 1, 2, 4};
+  const std::vector<int64_t> bytes{10, 10, 10, 10, 4};
+  const std::vector<std::string> layers{"model.layers.8", "model.layers.8", "model.layers.10",
+                                        "model.layers.10", "lm_head"};
+  // Each matmul alone: layer 8's second matmul fits and layer 10's does not.
+  EXPECT_EQ(admit_matmuls(flops, bytes, 5), (std::vector<bool>{true, true, true, false, false}));
+  // By class: the second matmuls cost 4 together, which does not fit beside the first (2).
+  EXPECT_EQ(admit_matmuls(flops, bytes, 5, layers),
+            (std::vector<bool>{true, false, true, false, false}));
+  EXPECT_EQ(admit_matmuls(flops, bytes, 6, layers),
+            (std::vector<bool>{true, true, true, true, false}));
+  // A class that does not fit is passed over, and a later one that does is admitted.
+  EXPECT_EQ(admit_matmuls({1, 2, 1, 2, 2}, {10, 10, 10, 10, 2}, 4.5, layers),
+            (std::vector<bool>{true, false, true, false, true}));
+  // Layers of another stack, or a matmul of other FLOPs at the same place, are decided apart.
+  const std::vector<std::string> two_stacks{"encoder.layers.0", "encoder.layers.0",
+                                            "decoder.layers.0", "decoder.layers.0", "lm_head"};
+  EXPECT_EQ(admit_matmuls(flops, bytes, 5, two_stacks),
+            (std::vector<bool>{true, true, true, false, false}));
+  // (Layer 10's second matmul, 3 FLOPs, ties with layer 8's, 2, and goes first.)
+  const std::vector<double> other_width{1, 2, 1, 3, 4};
+  EXPECT_EQ(admit_matmuls(other_width, {10, 10, 10, 15, 4}, 5, layers),
+            (std::vector<bool>{true, false, true, true, false}));
+  // Outside numbered layers, each matmul is its own class, as without layers.
+  EXPECT_EQ(admit_matmuls(flops, bytes, 5, {"", "", "embed", "embed", "lm_head"}),
+            admit_matmuls(flops, bytes, 5));
+  EXPECT_THROW(admit_matmuls(flops, bytes, 5, {"layers.0"}), std::invalid_argument);
 }
 
 TEST(Remat, SolverAdmitsAsAdmitMatmulsOverItsCandidates) {
