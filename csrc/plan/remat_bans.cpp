@@ -284,7 +284,8 @@ double attention_flops(const RematGraph& graph) {
 
 namespace {
 
-bool is_backward(const RematNode& node) { return node.required_bw && node.tangents_closure; }
+// A node the forward does not compute: it runs in the backward (with or without a tangent).
+bool in_backward(const RematNode& node) { return !node.required_fw; }
 
 // Whether recomputing matmul `c` can spare the forward a saved value: the backward reads its
 // output, or the output of a forward op computed from it by cheap ops and views alone (which
@@ -301,7 +302,7 @@ bool recompute_can_spare(const RematGraph& graph, int32_t c) {
     stack.pop_back();
     for (int32_t u : graph.nodes[i].users) {
       const RematNode& user = graph.nodes[u];
-      if (is_backward(user)) return true;
+      if (in_backward(user)) return true;
       const bool cheap = user.kind == RematOpKind::kCheap || user.kind == RematOpKind::kView;
       if (cheap && user.required_fw && !seen[u] && !remat_detail::leaves_layer(graph, u)) {
         seen[u] = true;

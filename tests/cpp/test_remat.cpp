@@ -257,6 +257,13 @@ TEST(Remat, OnlyMatmulsWhoseRecomputationCanSpareASavedValueAreCandidates) {
          .fw = false,
          .tangent = true});
   EXPECT_EQ(matmul_candidates_in_graph_order(b.graph), (std::vector<int32_t>{read}));
+  // A backward node need not depend on a tangent (pow's backward computes pow(x, 1) from the
+  // forward's x alone, and runs in the backward).
+  GraphBuilder more = b;
+  const int32_t late =
+      more.add({.name = "late", .kind = K::kMatmul, .bytes = 100, .flops = 1e3, .inputs = {x, w}});
+  more.add({.name = "pow_bw", .kind = K::kCheap, .bytes = 100, .inputs = {late}, .fw = false});
+  EXPECT_EQ(matmul_candidates_in_graph_order(more.graph), (std::vector<int32_t>{read, late}));
   // A numbered layer's output to the next layer is never recomputed: not a candidate either.
   GraphBuilder layered = b;
   for (RematNode& node : layered.graph.nodes) node.layer = node.required_fw ? "layers.0" : "";
