@@ -3,7 +3,8 @@
 Each compile runs as rank 0 of an SP group of ``--sp`` against a fake process group, in a
 fresh process with a fresh Inductor cache directory, aot_eager, the reference Llama (hidden
 64), remat ``--remat``; it prints each run's saved bytes and recompute FLOPs from its
-``RematReport``, per layer and in all, and regions / flat::
+``RematReport``, per layer and in all, the storages the step really holds for its backward
+(``autosp.measure.saved_bytes``: saved-tensor hooks, parameters excluded), and regions / flat::
 
     .venv/bin/python bench/remat_regions_bytes.py --layers 16 --seq 512   # about 1 min on 2 cores
 """
@@ -40,6 +41,9 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: st
                               check_inputs="never", regions=regions, backend="aot_eager",
                               remat=remat, remat_report=report)
     compiled(ids, ids).backward()
+    from autosp.measure import saved_bytes
+
+    held = saved_bytes(model, compiled, ids, ids)
     calls = {}  # a region's report names its first layer; every layer calling it counts
     for line in compiled.last_compile.outlined:
         layer, _, rest = line.partition(": calls ")
@@ -54,7 +58,7 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: st
             for layer in members:
                 per_layer[layer] = row.recompute_flops
     print("RESULT " + json.dumps({
-        "saved": report.saved_bytes,
+        "saved": report.saved_bytes, "held": held,
         "recompute": sum(g.recompute_flops for g in report.graphs if not g.calls),
         "per_layer": per_layer, "outlined": compiled.last_compile.outlined}), flush=True)
 
@@ -95,6 +99,8 @@ def main() -> None:
     print(f"saved: flat {flat['saved'] / 1e6:.2f} MB, regions {reg['saved'] / 1e6:.2f} MB "
           f"({reg['saved'] / flat['saved']:.3f}x); recompute: flat {flat['recompute'] / 1e6:.1f}, "
           f"regions {reg['recompute'] / 1e6:.1f} MFLOP")
+    print(f"held for backward (measured): flat {flat['held'] / 1e6:.3f} MB, regions "
+          f"{reg['held'] / 1e6:.3f} MB ({reg['held'] / flat['held']:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -49,16 +49,32 @@ def _widen_odd_layers(model: torch.nn.Module) -> None:
             layer.mlp = MLP(dataclasses.replace(cfg, intermediate_size=2 * cfg.intermediate_size))
 
 
-def _worker(rank: int, world: int, seq: int, wide: bool) -> dict[str, Any]:
+def _end_layers_in_tanh(model: torch.nn.Module) -> None:
+    """Every decoder layer returns tanh of its output: its backward reads the layer's own
+    output, which its region then hands on twice (as the output and as a saved value)."""
+    from autosp.models.llama import DecoderLayer
+
+    class TanhLayer(DecoderLayer):
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return torch.tanh(super().forward(*args, **kwargs))
+
+    for layer in model.layers:
+        layer.__class__ = TanhLayer
+
+
+def _worker(rank: int, world: int, seq: int, variant: str) -> dict[str, Any]:
     import autosp
+    from autosp.measure import saved_bytes
     from autosp.models.llama import LlamaForCausalLM
     from autosp.remat_policy import RematReport
 
     mesh = autosp.init_mesh(world)
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(4, 2, num_layers=4, vocab_size=256))
-    if wide:
+    if variant == "wide":
         _widen_odd_layers(model)
+    elif variant == "tanh":
+        _end_layers_in_tanh(model)
     ids, labels = make_batch(256, 2, seq, seed=1)
     out: dict[str, Any] = {}
     for regions in (True, False):
@@ -73,20 +89,24 @@ def _worker(rank: int, world: int, seq: int, wide: bool) -> dict[str, Any]:
         outlined = compiled.last_compile.outlined
         out[regions] = {"outlined": outlined, "per_layer": _per_layer(report, outlined),
                         "recompute": sum(g.recompute_flops for g in report.graphs if not g.calls),
-                        "saved": report.saved_bytes}
+                        "saved": report.saved_bytes,
+                        "held": saved_bytes(model, compiled, ids, labels)}
     return out
 
 
 @pytest.mark.slow  # 50 s each on 2 cores
-@pytest.mark.parametrize("wide", [False, True])
-def test_alike_layers_admit_alike_and_each_layer_as_flat(wide: bool) -> None:
+@pytest.mark.parametrize("variant", ["plain", "wide", "tanh"])
+def test_alike_layers_admit_alike_and_each_layer_as_flat(variant: str) -> None:
     """World 2, 4 layers, S 512, aot_eager. Alike layers: the flat compile admits the same
     matmuls in every layer (before: all of the MLP's in layers 0-1, part in layer 2, fewer in
     layer 3, where the allowance ended), and with regions all four call one subgraph. With
     every other MLP twice as wide, the two classes admit differently: layers 0 and 2 call one
     subgraph, 1 and 3 another, each stamped with its admissions, and every layer recomputes
-    what it recomputes flat. The step is exact against one device either way."""
-    for rank, r in enumerate(run_ranks(2, _worker, 512, wide)):
+    what it recomputes flat. Layers ending in tanh (their backward reads their output) are
+    alike too. The step is exact against one device in each case, and regions hold what flat
+    holds for the backward, within 1%, as the report says."""
+    wide = variant == "wide"
+    for rank, r in enumerate(run_ranks(2, _worker, 512, variant)):
         assert_step_exact(r, f"rank {rank}")
         flat, regions = r[False], r[True]
         assert regions["per_layer"] == flat["per_layer"], (regions["per_layer"], flat["per_layer"])
@@ -104,8 +124,15 @@ def test_alike_layers_admit_alike_and_each_layer_as_flat(wide: bool) -> None:
         else:
             assert len(set(per_layer)) == 1 and per_layer[0][1] > 0, per_layer
             assert lines == [f"layers.{i}: calls autosp_layer_0" for i in range(4)], lines
-        # What is left is where a region's outputs are saved (remat none: 1.6% more, docs).
-        assert flat["saved"] <= regions["saved"] <= 1.05 * flat["saved"], (regions["saved"], flat["saved"])
+        # The storages the step really holds for its backward (saved-tensor hooks): regions
+        # hold at most 1% more than flat (0.8% measured: 32 KiB). The report counts what the
+        # step holds, each storage once: its regions/flat difference is the measured one (the
+        # report also counts saved parameters and sizes, alike in both). Before, a region's
+        # output saved again as its next region's input, or beside its own detach, counted
+        # twice (1.05x flat; 1.16x with a layer ending in tanh, held storage 1.008x).
+        held, saved = (regions["held"], flat["held"]), (regions["saved"], flat["saved"])
+        assert flat["held"] <= regions["held"] <= 1.01 * flat["held"], held
+        assert abs((saved[0] - saved[1]) - (held[0] - held[1])) <= 64, (saved, held)
 
 
 def _fake_rank_twice(dynamic: bool, seqs: tuple[int, ...] = (512, 512), layers: int = 4,

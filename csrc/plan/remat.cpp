@@ -279,11 +279,14 @@ RematSolution solve_remat(const RematGraph& input, const RematOptions& options) 
     if (inserted) solution.layers.push_back(RematLayerSummary{.layer = name});
     return solution.layers[it->second];
   };
+  std::vector<int64_t> held(n, 0);  // a storage's bytes go to the layer of its first saved node
+  const std::vector<int64_t> added = remat_detail::saved_storage_bytes(graph, solution.saved);
+  for (size_t k = 0; k < solution.saved.size(); ++k) held[solution.saved[k]] = added[k];
   for (int32_t i = 0; i < n; ++i) {
     const RematNode& node = graph.nodes[i];
     if (solution.fate[i] == RematFate::kSaved && !node.static_lifetime) {
       RematLayerSummary& s = layer_of(i);
-      s.saved_bytes += node.bytes;
+      s.saved_bytes += held[i];
       ++s.saved_count;
     } else if (solution.fate[i] == RematFate::kRecomputed) {
       RematLayerSummary& s = layer_of(i);

@@ -162,7 +162,7 @@ struct RematSolution {
   std::vector<int32_t> recomputed;      // forward node indices the backward recomputes, ascending
   std::vector<RematFate> fate;          // per node
   std::vector<std::string> ban_reason;  // per node, "" when not banned
-  int64_t saved_bytes = 0;              // sum over saved, static-lifetime inputs excluded
+  int64_t saved_bytes = 0;              // storages the saved set holds, each once; parameters free
   int64_t none_saved_bytes = 0;         // what kNone would save (the budget's reference)
   int64_t budget_bytes = -1;            // the resolved budget, -1 if none
   double recompute_flops = 0;           // sum of flops over recomputed

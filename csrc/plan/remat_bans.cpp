@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -222,6 +223,20 @@ int32_t storage_base(const RematGraph& graph, int32_t i) {
     i = a;
   }
   return i;
+}
+
+std::vector<int64_t> saved_storage_bytes(const RematGraph& graph,
+                                         const std::vector<int32_t>& saved) {
+  std::vector<int64_t> added(saved.size(), 0);
+  std::unordered_set<int32_t> held;
+  for (size_t k = 0; k < saved.size(); ++k) {
+    const RematNode& node = graph.nodes[saved[k]];
+    const int32_t base = storage_base(graph, saved[k]);
+    const RematNode& owner = graph.nodes[base];
+    if (node.static_lifetime || owner.static_lifetime || !held.insert(base).second) continue;
+    added[k] = owner.bytes > 0 ? owner.bytes : node.bytes;
+  }
+  return added;
 }
 
 void sequence_aware_bans(const Prepared& p, const std::vector<bool>& admitted, Bans& bans) {

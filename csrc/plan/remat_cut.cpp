@@ -176,12 +176,10 @@ CutResult solve_once(const Prepared& p, const Bans& bans, RematPolicy policy) {
     }
   }
   for (int32_t i = 0; i < n; ++i) {
-    if (saved[i]) {
-      result.saved.push_back(i);
-      if (!graph.nodes[i].static_lifetime) result.saved_bytes += graph.nodes[i].bytes;
-    }
+    if (saved[i]) result.saved.push_back(i);
     if (recomputed[i]) result.recomputed.push_back(i);
   }
+  for (int64_t bytes : saved_storage_bytes(graph, result.saved)) result.saved_bytes += bytes;
   return result;
 }
 

@@ -58,6 +58,14 @@ bool leaves_layer(const RematGraph& graph, int32_t i);
 // that aliases nothing (`i` itself when it aliases nothing).
 int32_t storage_base(const RematGraph& graph, int32_t i);
 
+// The bytes each saved node adds to what the saved set holds, in the order of `saved` (graph
+// order): a storage counts once, at its owner's size (storage_base; the node's own size where
+// the owner's is unknown), for the first saved node that holds it. A view and its base, or two
+// views of one value, hold one storage; a storage of a static-lifetime input (a parameter)
+// costs nothing. The report's and the budget's saved bytes are this sum.
+std::vector<int64_t> saved_storage_bytes(const RematGraph& graph,
+                                         const std::vector<int32_t>& saved);
+
 // Each policy's bans (remat_bans.cpp).
 // PyTorch's default partitioner bans (its allowlist, heavy ops, ops far from the backward...).
 void default_bans(const Prepared& p, const RematOptions& options, Bans& bans);

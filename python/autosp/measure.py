@@ -35,6 +35,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def saved_bytes(model: torch.nn.Module, compiled: Any, *args: Any) -> int:
+    """The distinct storages one forward of ``compiled`` (which returns the loss) hands to
+    ``ctx.save_for_backward``, parameters excluded; runs the backward too."""
+    param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(*args)
+    loss.backward()
+    return sum(saved.values())
+
+
 def train_step_memory(model: torch.nn.Module, compiled: Any, *args: Any) -> StepMemory:
     """Saved-activation bytes and peak bytes of the second training step (see the module)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)

@@ -271,6 +271,55 @@ def aliased_arg(node: Any) -> Any:
     return None
 
 
+def _storage_owner(node: fx.Node) -> fx.Node:
+    """`node` followed through aliased_arg to the node whose storage its value lives in."""
+    seen = set()
+    while node not in seen:
+        seen.add(node)
+        base = aliased_arg(node) if node.op == "call_function" else None
+        if not isinstance(base, fx.Node):
+            return node
+        node = base
+    return node
+
+
+def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """For each output of a region call (a getitem of ``invoke_subgraph``, autosp.outline)
+    whose value shares storage with one of the call's operands or an earlier output, the node
+    it shares with. A region's forward hands on what its backward reads, and some of it is the
+    region's input (the layer's hidden state) or one of its own outputs (a layer ending in tanh
+    saves its result): the graph calling it holds that storage once."""
+    aliases: dict[fx.Node, fx.Node] = {}
+    owner = joint_graph.owning_module
+    for call in joint_graph.find_nodes(op="call_function",
+                                       target=torch.ops.higher_order.invoke_subgraph):
+        if owner is None or not isinstance(call.args[0], fx.Node):
+            continue
+        sub = owner
+        for part in str(call.args[0].target).split("."):
+            sub = getattr(sub, part, None)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        inputs = {p: i for i, p in enumerate(sub.graph.find_nodes(op="placeholder"))}
+        outputs = next(iter(sub.graph.find_nodes(op="output"))).args[0]
+        getitems = {u.args[1]: u for u in call.users if u.target is operator.getitem}
+        first: dict[fx.Node, int] = {}  # a storage's owner in the region -> its first output
+        for k, value in enumerate(outputs):
+            if not isinstance(value, fx.Node):
+                continue
+            base = _storage_owner(value)
+            shared = None
+            if base in inputs and 2 + inputs[base] < len(call.args):
+                shared = call.args[2 + inputs[base]]
+            elif base in first:
+                shared = getitems.get(first[base])
+            else:
+                first[base] = k
+            if k in getitems and isinstance(shared, fx.Node):
+                aliases[getitems[k]] = shared
+    return aliases
+
+
 def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
     """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
     graph, in graph order, with sizes and FLOPs at the trace's hint; the planner builds its
@@ -309,6 +358,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
                 by_op[key] = op
         per_node.append(op)
     layers: dict[str, str] = {}
+    region_aliases = region_call_aliases(joint_graph)
 
     facts = []
     for i, node in enumerate(nodes):
@@ -340,6 +390,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
         f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]
         f.args = [index[a] for a in node.args if isinstance(a, fx.Node)]
         base = aliased_arg(node) if node.op == "call_function" else None
+        base = region_aliases.get(node, base)
         f.aliases = index.get(base, -1) if base is not None else -1
         facts.append(f)
     return nodes, facts

@@ -144,6 +144,47 @@ TEST(Remat, NoneSavesWhatBackwardReads) {
   expect_valid_partition(m.b.graph, s);
 }
 
+// The saved bytes count each storage once (RematNode::aliases; kinds kept cheap so that 'none'
+// saves the aliases themselves): attention's output saved with a view of it (a detach, as a
+// region hands both on) is one storage; a transposed weight is the parameter's
+// (free); a broadcast view of a small value holds only that value.
+TEST(Remat, SavedBytesCountEachStorageOnce) {
+  using K = RematOpKind;
+  GraphBuilder b;
+  const int32_t x = b.add({.name = "x", .kind = K::kInput, .bytes = 1000, .primal = true});
+  const int32_t w =
+      b.add({.name = "w", .kind = K::kInput, .bytes = 4000, .primal = true, .param = true});
+  const int32_t wt = b.add({.name = "wt", .kind = K::kCheap, .bytes = 4000, .inputs = {w}});
+  const int32_t mm =
+      b.add({.name = "mm", .kind = K::kMatmul, .bytes = 4000, .flops = 1e6, .inputs = {x, wt}});
+  const int32_t attn =
+      b.add({.name = "attn", .kind = K::kAttention, .bytes = 4000, .flops = 1e8, .inputs = {mm}});
+  const int32_t held = b.add({.name = "held", .kind = K::kCheap, .bytes = 4000, .inputs = {attn}});
+  const int32_t scale = b.add({.name = "scale", .kind = K::kCheap, .bytes = 40, .inputs = {x}});
+  const int32_t wide = b.add({.name = "wide", .kind = K::kCheap, .bytes = 4000, .inputs = {scale}});
+  const int32_t tangent =
+      b.add({.name = "tangents_1", .kind = K::kInput, .bytes = 4000, .fw = false, .tangent = true});
+  b.add({.name = "bwd",
+         .kind = K::kAttention,
+         .bytes = 4000,
+         .flops = 2e8,
+         .inputs = {tangent, wt, mm, attn, held, wide},
+         .fw = false,
+         .tangent = true});
+  b.graph.nodes[wt].aliases = w;
+  b.graph.nodes[held].aliases = attn;
+  b.graph.nodes[wide].aliases = scale;
+  const RematSolution s = solve_remat(b.graph, {.policy = RematPolicy::kNone});
+  ASSERT_EQ(names(b.graph, s.saved),
+            (std::vector<std::string>{"wt", "mm", "attn", "held", "wide"}));
+  EXPECT_EQ(s.saved_bytes, 4000 + 4000 + 40);  // mm, attn (held shares it), scale (wide's)
+  EXPECT_EQ(s.none_saved_bytes, s.saved_bytes);
+  ASSERT_EQ(s.layers.size(), 1u);
+  EXPECT_EQ(s.layers[0].saved_bytes, s.saved_bytes);
+  EXPECT_EQ(s.layers[0].saved_count, 5);
+  (void)x;
+}
+
 TEST(Remat, DefaultNeverRecomputesMatmul) {
   TwoOpModel m;
   const RematSolution s = solve_remat(m.b.graph, {.policy = RematPolicy::kDefault});
