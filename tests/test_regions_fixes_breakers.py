@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 
 from distributed import make_batch, run_ranks, tiny_config
@@ -61,3 +62,65 @@ def test_bad_input_with_regions_is_reported_like_without() -> None:
         assert "found an index outside [0, 128)" in r["error"], (rank, r)
         assert not r["warnings"], (rank, r["warnings"])
         assert r["traced_once_after"] == r["marked"], (rank, r)
+
+
+class _TokenLocalLayer(torch.nn.Module):
+    """A pre-norm MLP block: nothing in it mixes tokens, so after the SP rewrite every operand
+    of its region is [B, S//P, H] (no attention, so none of size S)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class _TokenLocalModel(torch.nn.Module):
+    def __init__(self, vocab: int = 128, hidden: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(_TokenLocalLayer(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                 ignore_index=-100)
+
+
+def _token_local_worker(rank: int, world: int) -> dict[str, Any]:
+    import autosp
+    from distributed import step_against_reference
+
+    torch.manual_seed(0)
+    model = _TokenLocalModel()
+    compiled = autosp.compile(model, autosp.init_mesh(world), remat="sequence-aware",
+                              backend="inductor", regions=True)  # dynamic S (the default)
+    out = {}
+    for seq in (64, 96):  # a second length: the same symbolic graph
+        ids, labels = make_batch(128, 2, seq, seed=seq)
+        out[seq] = step_against_reference(model, compiled, ids, labels)
+    out["outlined"] = compiled.last_compile.outlined
+    return out
+
+
+@pytest.mark.slow  # about 90 s on 2 cores: Inductor at world 2
+def test_token_local_layers_outline_with_a_dynamic_s_under_inductor() -> None:
+    """FAILED before (breaker helper-43): layers with no attention, Inductor, dynamic S,
+    regions=True: "[autosp:compile] internal error: ... For (s27//2), expected [s27] to have
+    been codegen-ed". Every operand of the region was [B, S//2, H] after the SP rewrite, and
+    Inductor cannot bind S from S//2; the region is now handed S itself (Dynamo's placeholder).
+    Exact against one device at two lengths."""
+    from distributed import assert_step_exact
+
+    for rank, r in enumerate(run_ranks(2, _token_local_worker, timeout=600.0)):
+        assert r["outlined"] == ["layers.0: calls autosp_layer_0",
+                                 "layers.1: calls autosp_layer_0"], (rank, r["outlined"])
+        for seq in (64, 96):
+            assert_step_exact(r[seq], f"rank {rank}, S {seq}")

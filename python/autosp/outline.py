@@ -136,8 +136,39 @@ class _Region:
                     seen.add(a)
                     self.operands.append(a)
         self.outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        self._add_size_symbols()
         self.why_not = self._check(inside)
         self.key = None if self.why_not else self._key()
+
+    def _add_size_symbols(self) -> None:
+        """Hands each symbol the operands' sizes are written in (S, with a dynamic S) to the
+        region as an operand of its own, from the node before it that holds it (Dynamo's
+        placeholder), unless an operand is that symbol already. The traced sizes are the single
+        device's [B, S, H]; AOTAutograd's trace after the SP rewrite makes them [B, S//P, H],
+        and Inductor binds a subgraph's symbols from its inputs, which it cannot do from S//P: a
+        token-local layer (no attention, so no operand of size S) failed with "expected [s27]
+        to have been codegen-ed")."""
+        bound, needed = set(), set()
+        for a in self.operands:
+            v = _value(a)
+            sizes = (list(v.shape) + list(v.stride()) if isinstance(v, torch.Tensor)
+                     else [v] if isinstance(v, torch.SymInt) else [])
+            for d in sizes:
+                if isinstance(d, torch.SymInt):
+                    needed.update(d.node.expr.free_symbols)
+            if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+                bound.add(v.node.expr)
+        missing = needed - bound
+        first = self.nodes[0]
+        if not missing:
+            return
+        for n in first.graph.nodes:
+            if n is first:
+                break
+            v = _value(n)
+            if isinstance(v, torch.SymInt) and v.node.expr in missing:
+                missing.discard(v.node.expr)
+                self.operands.append(n)
 
     def _check(self, inside: set[fx.Node]) -> str:
         for n in self.nodes:
