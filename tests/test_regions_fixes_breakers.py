@@ -124,3 +124,44 @@ def test_token_local_layers_outline_with_a_dynamic_s_under_inductor() -> None:
                                  "layers.1: calls autosp_layer_0"], (rank, r["outlined"])
         for seq in (64, 96):
             assert_step_exact(r[seq], f"rank {rank}, S {seq}")
+
+
+def _hf_packed_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    import autosp
+    from autosp.train.config import TrainConfig
+    from autosp.train.data import Batches
+    from autosp.train.model import build_model
+    from distributed import step_against_reference
+
+    cfg = TrainConfig()
+    cfg.model.hf_config, cfg.data.source = folder, "sample"
+    model, vocab = build_model(cfg.model, 0, 0)
+    args = Batches(cfg.data, 128, 2, 1, 1, 0).micro_batch(0, 0, 0, vocab)  # packed documents
+    compiled = autosp.compile(model, autosp.init_mesh(world), seq_dim=1, remat="sequence-aware",
+                              backend="inductor", tile_loss=True, dynamic=False, regions=True)
+    out = step_against_reference(model, compiled, *args)
+    out["outlined"] = compiled.last_compile.outlined
+    return out
+
+
+@pytest.mark.slow  # about 70 s on 2 cores: Inductor at world 2
+def test_hf_llama_with_an_inline_layer_is_exact_under_inductor(tmp_path: Any) -> None:
+    """FAILED before (breaker helper-43, through `autosp train --regions true`): a Hugging Face
+    Llama whose layer 0 stays inline while layers 1-3 call one subgraph, sequence-aware,
+    Inductor, the trainer's packed sample batch: the loss exact, the gradients of layer 0 and
+    the embedding 50-110% off. The backward, which AOTAutograd compiles at the first backward,
+    reused buffers: the patch that turns reuse off for a graph with regions covered only the
+    forward's compile (now compile_fx's config_patches, which reach the backward)."""
+    import json
+
+    from distributed import assert_step_exact
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320,
+        "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True}))
+    for rank, r in enumerate(run_ranks(2, _hf_packed_worker, str(tmp_path), timeout=600.0)):
+        assert r["outlined"][1:] == [f"model.model.layers.{i}: calls autosp_layer_0"
+                                     for i in (1, 2, 3)], (rank, r["outlined"])
+        assert_step_exact(r, f"rank {rank}")

@@ -342,22 +342,3 @@ def test_check_compares_the_first_steps_gradient_too(capsys: pytest.CaptureFixtu
     assert loop._check_first_step(cfg, batches, loss, norm * 1.01, 2) == 1
     assert "gradient norm" in capsys.readouterr().out
 
-
-def test_regions_with_a_hugging_face_model_under_sequence_aware_and_inductor_is_refused() -> None:
-    """Breaker helper-43: `autosp train --regions true` on a Hugging Face Llama, remat
-    sequence-aware, Inductor: the first step's loss exact, its gradient norm 13% off one device
-    (docs/compile_time.md, "Not on by default"). Refused until explained; the combinations
-    found exact stay allowed, and regions stay off by default."""
-    from autosp.errors import AutospError
-
-    hf = {("model", "hf_config"): "some/dir", ("training", "regions"): True}
-    for remat in ("sequence-aware", "auto"):
-        with pytest.raises(AutospError, match=r"found training.regions = true with a Hugging Face "
-                                              r"model, remat '" + remat + r"' and backend "
-                                              r"inductor: this combination gave wrong gradients"):
-            C.load(None, {**hf, ("training", "remat"): remat})
-    assert C.load(None, {**hf, ("training", "remat"): "default"}).training.regions
-    assert C.load(None, {**hf, ("training", "backend"): "aot_eager"}).training.regions
-    assert C.load(None, {**hf, ("training", "regions"): False}).model.hf_config == "some/dir"
-    assert C.load(None, {("training", "regions"): True}).training.regions  # the built-in Llama
-    assert not C.load(None, None).training.regions

@@ -230,8 +230,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
 
     ``regions``: compile each class of alike decoder layers once (autosp.outline: PyTorch's
     ``invoke_subgraph`` after the SP rewrite), so that compile time stops growing with depth;
-    each layer recomputes what it recomputes flat. Experimental and off by default: a Hugging
-    Face Llama under ``sequence-aware`` and Inductor got wrong gradients with it
+    each layer recomputes what it recomputes flat. Experimental and off by default
     (docs/compile_time.md). On PyTorch
     2.13 and later, Dynamo also traces each class of repeated layers once: each numbered layer
     (``layers.3``) whose class has two or more instances is given a subclass of its class with

@@ -208,15 +208,19 @@ def compile_joint(
     # With regions (autosp.outline), Inductor's reuse of a dead buffer's memory for a new one
     # gave wrong gradients to every layer but the last (measured: torch 2.13, CPU; remat none or
     # sequence-aware, tiled loss or not): the values a region returns for its backward may
-    # share storage with what the calling graph sees die. Off for a graph with regions; each
-    # buffer is still freed when it dies.
+    # share storage with what the calling graph sees die. Off for a graph with regions, in the
+    # forward and in the backward, which AOTAutograd compiles at the first backward, outside
+    # this call: compile_fx's config_patches also patch that compile (a patch around this call
+    # alone left the backward reusing buffers: a Hugging Face Llama whose layer 0 stays inline
+    # got layer 0's and the embedding's gradients 50-110% off). Each buffer is still freed
+    # when it dies.
     outlined = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     with inductor_config.patch(custom_partitioner_fn=partitioner,
-                               unsafe_marked_cacheable_functions=cacheable,
-                               **({"allow_buffer_reuse": False} if outlined else {})), \
+                               unsafe_marked_cacheable_functions=cacheable), \
             regions_known_pure(gm):
         before = len(report.graphs) if report is not None else 0
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs,
+                              config_patches={"allow_buffer_reuse": False} if outlined else None)
     if key is None:
         return compiled
     if len(report.graphs) > before:

@@ -105,8 +105,7 @@ class TrainingConfig:
                                "(autosp.compile(tile_mlp=True); exact)")
     regions: bool = _f(False, "compile each class of alike decoder layers once (autosp.compile("
                               "regions=True; experimental): the first step's compile stops "
-                              "growing with depth; not with a Hugging Face model under remat "
-                              "sequence-aware or auto and backend inductor (wrong gradients found)")
+                              "growing with depth; exact")
     check: bool = _f(False, "at the end, compare the first step's loss and the norm of its "
                             "gradient with the plain model on one device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")
@@ -287,14 +286,6 @@ def load(path: str | None, overrides: dict[tuple[str, str], Any] | None = None) 
                           "offload_optimizer keeps a rank's whole state in its host memory (their "
                           "combination is not built)")
     m = cfg.model
-    if (t.regions and (m.hf_config or m.hf_checkpoint) and t.backend == "inductor"
-            and t.remat in ("sequence-aware", "auto") and t.remat_budget_gib <= 0):
-        raise ConfigError(
-            "[autosp:train] found training.regions = true with a Hugging Face model, remat "
-            f"{t.remat!r} and backend inductor: this combination gave wrong gradients (a 4-layer "
-            "Llama: the first step's gradient norm 13% off one device, the loss exact; "
-            "docs/compile_time.md, 'Not on by default'); expected training.regions = false, or "
-            "remat 'default' or 'none', or backend 'aot_eager'")
     if m.hidden_size % m.heads or (m.kv_heads and m.heads % m.kv_heads):
         raise ConfigError(f"[autosp:train] model.heads = {m.heads}, model.kv_heads = {m.kv_heads}: "
                           f"expected heads dividing hidden_size ({m.hidden_size}) and kv_heads "
