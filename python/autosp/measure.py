@@ -35,9 +35,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def saved_bytes(model: torch.nn.Module, compiled: Any, *args: Any) -> int:
-    """The distinct storages one forward of ``compiled`` (which returns the loss) hands to
-    ``ctx.save_for_backward``, parameters excluded; runs the backward too."""
+def _saving(model: torch.nn.Module) -> tuple[dict[int, int], Any]:
+    """A pack hook for ``saved_tensors_hooks`` that records, by storage, the bytes of every
+    distinct storage saved for backward (parameters excluded), and the dict it fills."""
     param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -47,6 +47,13 @@ def saved_bytes(model: torch.nn.Module, compiled: Any, *args: Any) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
+    return saved, pack
+
+
+def saved_bytes(model: torch.nn.Module, compiled: Any, *args: Any) -> int:
+    """The distinct storages one forward of ``compiled`` (which returns the loss) hands to
+    ``ctx.save_for_backward``, parameters excluded; runs the backward too."""
+    saved, pack = _saving(model)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = compiled(*args)
     loss.backward()
@@ -56,14 +63,7 @@ def saved_bytes(model: torch.nn.Module, compiled: Any, *args: Any) -> int:
 def train_step_memory(model: torch.nn.Module, compiled: Any, *args: Any) -> StepMemory:
     """Saved-activation bytes and peak bytes of the second training step (see the module)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
+    saved, pack = _saving(model)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
