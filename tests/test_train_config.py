@@ -341,4 +341,3 @@ def test_check_compares_the_first_steps_gradient_too(capsys: pytest.CaptureFixtu
     assert loop._check_first_step(cfg, batches, loss, norm, 2) == 0
     assert loop._check_first_step(cfg, batches, loss, norm * 1.01, 2) == 1
     assert "gradient norm" in capsys.readouterr().out
-
