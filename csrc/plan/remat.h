@@ -225,6 +225,14 @@ std::vector<int32_t> matmul_candidates_in_graph_order(const RematGraph& graph);
 std::vector<bool> admit_matmuls(const std::vector<double>& flops, const std::vector<int64_t>& bytes,
                                 double allowance, const std::vector<std::string>& layers = {});
 
+// For each value, the value whose storage it lives in: `aliases[i]` (the value `i` is a view
+// of, or -1: RematNode::aliases) followed to a value that aliases nothing (`i` itself when it
+// aliases nothing; an index outside the list ends the chain). The one rule of storage
+// ownership: the saved-bytes count (remat_detail::storage_base) and autosp's region outputs
+// (remat_facts.region_call_aliases, over a region's own graph) both follow it.
+int32_t storage_owner(const std::vector<int32_t>& aliases, int32_t i);
+std::vector<int32_t> storage_owners(const std::vector<int32_t>& aliases);
+
 const char* to_string(RematPolicy policy);
 const char* to_string(RematOpKind kind);
 const char* to_string(RematFate fate);

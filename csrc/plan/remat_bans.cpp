@@ -215,14 +215,21 @@ bool leaves_layer(const RematGraph& graph, int32_t i) {
   return false;
 }
 
-int32_t storage_base(const RematGraph& graph, int32_t i) {
-  const int32_t n = static_cast<int32_t>(graph.nodes.size());
+namespace {
+template <class AliasOf>
+int32_t follow_aliases(int32_t i, int32_t n, AliasOf alias_of) {
   for (int32_t steps = 0; steps < n; ++steps) {  // a chain of aliases, never a cycle
-    const int32_t a = graph.nodes[i].aliases;
+    const int32_t a = alias_of(i);
     if (a < 0 || a >= n) return i;
     i = a;
   }
   return i;
+}
+}  // namespace
+
+int32_t storage_base(const RematGraph& graph, int32_t i) {
+  return follow_aliases(i, static_cast<int32_t>(graph.nodes.size()),
+                        [&](int32_t k) { return graph.nodes[k].aliases; });
 }
 
 std::vector<int64_t> saved_storage_bytes(const RematGraph& graph,
@@ -288,6 +295,18 @@ void none_bans(const Prepared& p, Bans& bans) {
 }  // namespace autosp::remat_detail
 
 namespace autosp {
+
+int32_t storage_owner(const std::vector<int32_t>& aliases, int32_t i) {
+  return remat_detail::follow_aliases(i, static_cast<int32_t>(aliases.size()),
+                                      [&](int32_t k) { return aliases[k]; });
+}
+
+std::vector<int32_t> storage_owners(const std::vector<int32_t>& aliases) {
+  std::vector<int32_t> owners(aliases.size());
+  for (size_t i = 0; i < aliases.size(); ++i)
+    owners[i] = storage_owner(aliases, static_cast<int32_t>(i));
+  return owners;
+}
 
 double attention_flops(const RematGraph& graph) {
   double flops = 0;

@@ -661,6 +661,11 @@ def matmul_candidates(nodes: Sequence[RematNode]) -> list[int]:
     The matmuls sequence-aware may admit, in graph order (csrc/plan/remat.h).
     """
 
+def storage_owners(aliases: Sequence[int]) -> list[int]:
+    """
+    For each value, the value whose storage it lives in: aliases[i] (the value i is a view of, or -1) followed to one that aliases nothing (csrc/plan/remat.h).
+    """
+
 def admit_matmuls(flops: Sequence[float], bytes: Sequence[int], allowance: float, layers: Sequence[str] = []) -> list[bool]:
     """
     Sequence-aware's choice among matmuls given in graph order, alike layers alike (csrc/plan/remat.h).

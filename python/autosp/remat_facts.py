@@ -271,16 +271,16 @@ def aliased_arg(node: Any) -> Any:
     return None
 
 
-def _storage_owner(node: fx.Node) -> fx.Node:
-    """`node` followed through aliased_arg to the node whose storage its value lives in."""
-    seen = set()
-    while node not in seen:
-        seen.add(node)
+def _storage_owners(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each node of `graph` to the node whose storage its value lives in (aliased_arg followed
+    by the C++ core's one rule, _core.storage_owners)."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    aliases = []
+    for node in nodes:
         base = aliased_arg(node) if node.op == "call_function" else None
-        if not isinstance(base, fx.Node):
-            return node
-        node = base
-    return node
+        aliases.append(index.get(base, -1) if isinstance(base, fx.Node) else -1)
+    return {node: nodes[k] for node, k in zip(nodes, _core.storage_owners(aliases))}
 
 
 def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
@@ -302,12 +302,13 @@ def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             continue
         inputs = {p: i for i, p in enumerate(sub.graph.find_nodes(op="placeholder"))}
         outputs = next(iter(sub.graph.find_nodes(op="output"))).args[0]
+        owner_of = _storage_owners(sub.graph)
         getitems = {u.args[1]: u for u in call.users if u.target is operator.getitem}
         first: dict[fx.Node, int] = {}  # a storage's owner in the region -> its first output
         for k, value in enumerate(outputs):
             if not isinstance(value, fx.Node):
                 continue
-            base = _storage_owner(value)
+            base = owner_of[value]
             shared = None
             if base in inputs and 2 + inputs[base] < len(call.args):
                 shared = call.args[2 + inputs[base]]

@@ -150,6 +150,9 @@ void init_remat(nb::module_& m) {
         return matmul_candidates_in_graph_order(RematGraph{nodes});
       },
       "nodes"_a, "The matmuls sequence-aware may admit, in graph order (csrc/plan/remat.h).");
+  m.def("storage_owners", &storage_owners, "aliases"_a,
+        "For each value, the value whose storage it lives in: aliases[i] (the value i is a "
+        "view of, or -1) followed to one that aliases nothing (csrc/plan/remat.h).");
   m.def("admit_matmuls", &admit_matmuls, "flops"_a, "bytes"_a, "allowance"_a,
         "layers"_a = std::vector<std::string>{},
         "Sequence-aware's choice among matmuls given in graph order, alike layers alike "

@@ -185,6 +185,14 @@ TEST(Remat, SavedBytesCountEachStorageOnce) {
   (void)x;
 }
 
+// One rule of storage ownership: a chain of views ends at the value that aliases nothing; an
+// index outside the list, or a cycle (never made, but bounded), ends it too.
+TEST(Remat, StorageOwnersFollowAliasChains) {
+  EXPECT_EQ(storage_owners({-1, 0, 1, -1, 3, 9}), (std::vector<int32_t>{0, 0, 0, 3, 3, 5}));
+  EXPECT_EQ(storage_owner({1, 0}, 0), 0);  // a cycle stops after n steps
+  EXPECT_TRUE(storage_owners({}).empty());
+}
+
 TEST(Remat, DefaultNeverRecomputesMatmul) {
   TwoOpModel m;
   const RematSolution s = solve_remat(m.b.graph, {.policy = RematPolicy::kDefault});
