@@ -1,12 +1,13 @@
 """What ``regions=True`` saves and recomputes against the flat compile, per layer.
 
 Each compile runs as rank 0 of an SP group of ``--sp`` against a fake process group, in a
-fresh process with a fresh Inductor cache directory, aot_eager, the reference Llama (hidden
-64), remat ``--remat``; it prints each run's saved bytes and recompute FLOPs from its
+fresh process with a fresh Inductor cache directory, ``--backend`` (aot_eager by default), the
+reference Llama (hidden 64), remat ``--remat``; it prints each run's saved bytes and recompute FLOPs from its
 ``RematReport``, per layer and in all, the storages the step really holds for its backward
 (``autosp.measure.saved_bytes``: saved-tensor hooks, parameters excluded), and regions / flat::
 
     .venv/bin/python bench/remat_regions_bytes.py --layers 16 --seq 512   # about 1 min on 2 cores
+    .venv/bin/python bench/remat_regions_bytes.py --backend inductor      # about 2 min
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 import tempfile
 
 
-def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: str) -> None:
+def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: str,
+           backend: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -38,7 +40,7 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: st
         p.requires_grad_(not (frozen and name.startswith(tuple(frozen.split(",")))))
     report = RematReport()
     compiled = autosp.compile(model, mesh=autosp.init_mesh(sp),
-                              check_inputs="never", regions=regions, backend="aot_eager",
+                              check_inputs="never", regions=regions, backend=backend,
                               remat=remat, remat_report=report)
     compiled(ids, ids).backward()
     from autosp.measure import saved_bytes
@@ -71,10 +73,12 @@ def main() -> None:
     ap.add_argument("--remat", default="sequence-aware")
     ap.add_argument("--frozen", default="", help="comma-separated parameter name prefixes "
                     "that take no gradient (e.g. embed_tokens,layers.0.,layers.1.)")
+    ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
     ap.add_argument("--child", choices=("flat", "regions"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child == "regions", args.layers, args.seq, args.sp, args.remat, args.frozen)
+        _child(args.child == "regions", args.layers, args.seq, args.sp, args.remat, args.frozen,
+               args.backend)
         return
     runs = {}
     for mode in ("flat", "regions"):
@@ -82,14 +86,15 @@ def main() -> None:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode,
                               "--layers", str(args.layers), "--seq", str(args.seq),
                               "--sp", str(args.sp), "--remat", args.remat,
-                              "--frozen", args.frozen],
+                              "--frozen", args.frozen, "--backend", args.backend],
                              env=env, capture_output=True, text=True, check=False)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
         runs[mode] = json.loads(line[len("RESULT "):])
     flat, reg = runs["flat"], runs["regions"]
-    print(f"Llama {args.layers} layers, S {args.seq}, rank 0 of sp {args.sp}, remat {args.remat}")
+    print(f"Llama {args.layers} layers, S {args.seq}, rank 0 of sp {args.sp}, remat {args.remat}, "
+          f"{args.backend}")
     print("regions=True: " + "; ".join(reg["outlined"]))
     print(f"{'layer':<12}{'flat MFLOP':>12}{'regions MFLOP':>15}")
     for layer in sorted(flat["per_layer"], key=lambda x: (len(x), x)):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import operator
 from typing import Any, Iterator
 
@@ -162,8 +163,11 @@ class _Region:
         first = self.nodes[0]
         if not missing:
             return
-        for n in first.graph.nodes:
-            if n is first:
+        # Dynamo's placeholders hold the symbols (an indexed lookup); the walk of the nodes
+        # before the region only for one they do not.
+        holders = itertools.chain(first.graph.find_nodes(op="placeholder"), first.graph.nodes)
+        for n in holders:
+            if n is first or not missing:
                 break
             v = _value(n)
             if isinstance(v, torch.SymInt) and v.node.expr in missing:
