@@ -190,3 +190,47 @@ def test_second_process_hits_aot_autograds_cache_and_stays_exact(tmp_path: Any) 
         assert_step_exact(warm, f"rank {rank}, second process (cache hit)")
         assert cold["report"] and warm["report"] == cold["report"], "the report is read back on a hit"
         assert len(warm["tiling"]) == 2 and all(t.startswith("tiled") for t in warm["tiling"]), warm["tiling"]
+
+
+def _fx_cache_counts(monkeypatch: Any, source: str) -> dict[str, int]:
+    """One training step through compile_joint with AOTAutograd's cache off, so that Inductor
+    looks up the forward's and the backward's FX graphs; its FX graph cache counters."""
+    from torch._dynamo.utils import counters
+
+    from autosp import compile_cache
+
+    from autosp import remat
+    from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(compile_cache, "source_hash", lambda: source)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_layers=1, num_heads=4, num_kv_heads=2))
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    # Static sizes, as autosp compiles by default: AOTAutograd compiles the backward at the
+    # first backward, outside compile_joint's call.
+    compiled = torch.compile(model, backend=remat.backend(backend="inductor"), fullgraph=True,
+                             dynamic=False)
+    counters.clear()
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled(ids, ids).backward()
+    return {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+
+
+@pytest.mark.slow  # about 40 s on 2 cores
+def test_inductor_graph_cache_keys_change_with_autosps_code(tmp_path: Any,
+                                                            monkeypatch: Any) -> None:
+    """How autosp has Inductor compile a graph (buffer reuse, donation) is not in Inductor's FX
+    graph cache key; autosp's source hash is put in (compile_fx's config_patches, which reach
+    the backward's compile too), so code compiled by another autosp is never served. Found: the
+    fix of a wrong gradient (regions and donated buffers) still failed against a cache filled
+    before it, which served the old backward."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cold = _fx_cache_counts(monkeypatch, "a" * 64)
+    same = _fx_cache_counts(monkeypatch, "a" * 64)
+    other = _fx_cache_counts(monkeypatch, "b" * 64)
+    assert cold.get("fxgraph_cache_miss", 0) >= 2 and not cold.get("fxgraph_cache_hit"), cold
+    assert same.get("fxgraph_cache_hit", 0) == cold["fxgraph_cache_miss"], (cold, same)
+    assert other.get("fxgraph_cache_miss", 0) == cold["fxgraph_cache_miss"], (cold, other)
+    assert not other.get("fxgraph_cache_hit"), other

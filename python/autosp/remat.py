@@ -55,6 +55,7 @@ partition function), and this one (the partitioner in Inductor's hook, and the b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any, Callable, Sequence
 
@@ -194,7 +195,12 @@ def compile_joint(
         policy, recompute_flops_ratio, report=report, partition_fn=partition_fn
     )
     # autosp's SP functions in the graph get a key (autosp.compile_cache), so that AOTAutograd's
-    # cache takes the graph rather than bypassing it.
+    # cache takes the graph rather than bypassing it. The key is autosp's source hash, and it
+    # goes in compile_fx's config_patches, which reach the forward's and the backward's
+    # Inductor compiles: their FX graph cache keys then change with autosp's code. Without it,
+    # how autosp has Inductor compile a graph (the settings below) is not in those keys, and a
+    # cache filled by an older autosp served its compiled code (measured: the donated-buffer
+    # bug below came back from a cache filled before its fix).
     cacheable = marked_cacheable()
     # A report is filled when the partitioner runs, which a cache hit skips: it is then read
     # back from beside the cache (autosp.compile_cache), where the partition that made the
@@ -214,13 +220,28 @@ def compile_joint(
     # alone left the backward reusing buffers: a Hugging Face Llama whose layer 0 stays inline
     # got layer 0's and the embedding's gradients 50-110% off). Each buffer is still freed
     # when it dies.
+    #
+    # And no donated buffers with regions (an independent fault: the test above fails with
+    # buffer reuse on and donation off, and the one below with reuse off and donation on):
+    # Inductor lowers a region's backward subgraph with the
+    # calling backward's donated-input positions (GraphLowering reads bw_donated_idxs from the
+    # tracing context, and a subgraph's lowering reads the caller's), so the subgraph's input at
+    # a donated position, its tangent for one, was overwritten in place while the calling graph
+    # still read it (measured, torch 2.13, CPU: a skip connection around three outlined layers
+    # got the embedding's gradient 32% off; breaker helper-44). AOTAutograd decides donation
+    # when it compiles the forward, inside this call.
+    from torch._functorch import config as functorch_config
+
     outlined = any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
-    with inductor_config.patch(custom_partitioner_fn=partitioner,
-                               unsafe_marked_cacheable_functions=cacheable), \
-            regions_known_pure(gm):
+    no_donation = functorch_config.patch(donated_buffer=False) if outlined else \
+        contextlib.nullcontext()
+    patches: dict[str, Any] = {"unsafe_marked_cacheable_functions": cacheable}
+    if outlined:
+        patches["allow_buffer_reuse"] = False
+    with inductor_config.patch(custom_partitioner_fn=partitioner), regions_known_pure(gm), \
+            no_donation:
         before = len(report.graphs) if report is not None else 0
-        compiled = compile_fx(gm, example_inputs,
-                              config_patches={"allow_buffer_reuse": False} if outlined else None)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if key is None:
         return compiled
     if len(report.graphs) > before:
