@@ -19,10 +19,11 @@ autosp.outline makes the regions again after the SP rewrite.
 from __future__ import annotations
 
 import copyreg
+import functools
 import importlib.util
 import operator
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -82,11 +83,30 @@ def _reduce_as_unmarked(self: nn.Module, protocol: int) -> Any:
     return tuple(reduced)
 
 
+def _marked_forward(forward: Callable) -> Callable:
+    """`forward` as a region Dynamo traces once, except in a call that hands one tensor as two
+    operands: that call runs `forward` inline. Dynamo traces the region of such a call with one
+    input for both, and stamps that trace out for the later layers' calls, dropping their
+    second operand (found: torch 2.13, a layer called as ``layer(x, x0)`` with ``x = x0`` for
+    the first layer; every later layer read its hidden state for both, and the loss and every
+    gradient were wrong; breaker helper-46)."""
+    region = torch.compiler.nested_compile_region(forward)
+
+    @functools.wraps(forward)
+    def marked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(a is b for i, a in enumerate(tensors) for b in tensors[i + 1:]):
+            return forward(self, *args, **kwargs)
+        return region(self, *args, **kwargs)
+
+    return marked
+
+
 def _marked_class(cls: type) -> type:
     sub = _MARKED.get(cls)
     if sub is None:
         sub = type(cls.__name__, (cls,), {
-            "forward": torch.compiler.nested_compile_region(cls.forward),
+            "forward": _marked_forward(cls.forward),
             "__reduce_ex__": _reduce_as_unmarked,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, _MARK: cls})
         _MARKED[cls] = sub

@@ -219,7 +219,12 @@ def compile_joint(
     # this call: compile_fx's config_patches also patch that compile (a patch around this call
     # alone left the backward reusing buffers: a Hugging Face Llama whose layer 0 stays inline
     # got layer 0's and the embedding's gradients 50-110% off). Each buffer is still freed
-    # when it dies.
+    # when it dies. Nor does the calling graph write in place into a buffer it sees die
+    # (inplace_buffers, a separate switch): a region whose backward reads its input returns
+    # that input as a saved value, the caller's own buffer, and Inductor takes a region's
+    # outputs to alias none of its operands, so `x = x0 + layers(x0)` or a sum of the layers'
+    # outputs was written over a layer's saved input (embedding and layer 0 gradients 35-280%
+    # off, loss exact; breaker helper-46, tests/test_regions_inductor_aliasing_breakers.py).
     #
     # And no donated buffers with regions (an independent fault: the test above fails with
     # buffer reuse on and donation off, and the one below with reuse off and donation on):
@@ -238,6 +243,7 @@ def compile_joint(
     patches: dict[str, Any] = {"unsafe_marked_cacheable_functions": cacheable}
     if outlined:
         patches["allow_buffer_reuse"] = False
+        patches["inplace_buffers"] = False
     with inductor_config.patch(custom_partitioner_fn=partitioner), regions_known_pure(gm), \
             no_donation:
         before = len(report.graphs) if report is not None else 0
