@@ -89,13 +89,22 @@ def _marked_forward(forward: Callable) -> Callable:
     input for both, and stamps that trace out for the later layers' calls, dropping their
     second operand (found: torch 2.13, a layer called as ``layer(x, x0)`` with ``x = x0`` for
     the first layer; every later layer read its hidden state for both, and the loss and every
-    gradient were wrong; breaker helper-46)."""
+    gradient were wrong; breaker helper-46).
+
+    A call also runs inline when the layer holds a tensor attribute that is neither a
+    parameter nor a buffer (set before the call, ``layer.ctx = x0``): Dynamo makes it a free
+    variable of the region, which failed with an internal error ("Freevar has no source"), or,
+    when it was the call's input too, was read as that input by every later layer (breaker
+    helper-47). Operands are looked for inside lists, tuples and dicts as well."""
     region = torch.compiler.nested_compile_region(forward)
 
     @functools.wraps(forward)
     def marked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if any(a is b for i, a in enumerate(tensors) for b in tensors[i + 1:]):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+        if any(a is b for i, a in enumerate(tensors) for b in tensors[i + 1:]) or any(
+                isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+                for v in self.__dict__.values()):
             return forward(self, *args, **kwargs)
         return region(self, *args, **kwargs)
 
