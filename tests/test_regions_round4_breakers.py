@@ -236,6 +236,7 @@ def test_aliased_operand_inside_a_container_is_exact(wiring: str) -> None:
     _check(wiring)
 
 
+@pytest.mark.slow
 def test_guard_container_operand_exact_without_regions() -> None:
     """GUARD: the same model with regions=False is exact."""
     _check("list_operand", regions=False)
@@ -247,6 +248,7 @@ def test_guard_container_operand_not_aliased_is_exact() -> None:
     assert all("calls autosp_layer_0" in line for line in r[0]["outlined"]), r[0]["outlined"]
 
 
+@pytest.mark.slow  # Inductor, about 30 s each on 2 cores
 @pytest.mark.parametrize("wiring", ["view_operand", "param_operand", "fanout2"])
 def test_guard_views_parent_parameter_and_fanout_under_inductor(wiring: str) -> None:
     """GUARD (held, about 40 s each): x0.view_as(x0) with x = x0; a parameter of the parent
