@@ -271,15 +271,22 @@ def aliased_arg(node: Any) -> Any:
     return None
 
 
+def _alias_index(node: fx.Node, index: dict[fx.Node, int],
+                 overrides: dict[fx.Node, fx.Node] | None = None) -> int:
+    """The index of the node whose storage `node`'s value is a view of (aliased_arg, or an
+    override), or -1."""
+    base = aliased_arg(node) if node.op == "call_function" else None
+    if overrides:
+        base = overrides.get(node, base)
+    return index.get(base, -1) if isinstance(base, fx.Node) else -1
+
+
 def _storage_owners(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Each node of `graph` to the node whose storage its value lives in (aliased_arg followed
     by the C++ core's one rule, _core.storage_owners)."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    aliases = []
-    for node in nodes:
-        base = aliased_arg(node) if node.op == "call_function" else None
-        aliases.append(index.get(base, -1) if isinstance(base, fx.Node) else -1)
+    aliases = [_alias_index(node, index) for node in nodes]
     return {node: nodes[k] for node, k in zip(nodes, _core.storage_owners(aliases))}
 
 
@@ -290,6 +297,7 @@ def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     region's input (the layer's hidden state) or one of its own outputs (a layer ending in tanh
     saves its result): the graph calling it holds that storage once."""
     aliases: dict[fx.Node, fx.Node] = {}
+    owners: dict[fx.GraphModule, dict[fx.Node, fx.Node]] = {}
     owner = joint_graph.owning_module
     for call in joint_graph.find_nodes(op="call_function",
                                        target=torch.ops.higher_order.invoke_subgraph):
@@ -302,7 +310,9 @@ def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             continue
         inputs = {p: i for i, p in enumerate(sub.graph.find_nodes(op="placeholder"))}
         outputs = next(iter(sub.graph.find_nodes(op="output"))).args[0]
-        owner_of = _storage_owners(sub.graph)
+        if sub not in owners:  # the layers' calls share one subgraph
+            owners[sub] = _storage_owners(sub.graph)
+        owner_of = owners[sub]
         getitems = {u.args[1]: u for u in call.users if u.target is operator.getitem}
         first: dict[fx.Node, int] = {}  # a storage's owner in the region -> its first output
         for k, value in enumerate(outputs):
@@ -390,8 +400,6 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
         f.users = users
         f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]
         f.args = [index[a] for a in node.args if isinstance(a, fx.Node)]
-        base = aliased_arg(node) if node.op == "call_function" else None
-        base = region_aliases.get(node, base)
-        f.aliases = index.get(base, -1) if base is not None else -1
+        f.aliases = _alias_index(node, index, region_aliases)
         facts.append(f)
     return nodes, facts
