@@ -4,7 +4,9 @@ Each compile runs as rank 0 of an SP group of ``--sp`` against a fake process gr
 fresh process with a fresh Inductor cache directory, ``--backend`` (aot_eager by default), the
 reference Llama (hidden 64), remat ``--remat``; it prints each run's saved bytes and recompute FLOPs from its
 ``RematReport``, per layer and in all, the storages the step really holds for its backward
-(``autosp.measure.saved_bytes``: saved-tensor hooks, parameters excluded), and regions / flat::
+(``autosp.measure.saved_bytes``: saved-tensor hooks, parameters excluded), the peak of a
+training step with AdamW (``autosp.measure.train_step_memory``: the CPU allocator's events in
+``torch.profiler``, parameters and optimizer state included), and regions / flat::
 
     .venv/bin/python bench/remat_regions_bytes.py --layers 16 --seq 512   # about 1 min on 2 cores
     .venv/bin/python bench/remat_regions_bytes.py --backend inductor      # about 2 min
@@ -43,9 +45,10 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: st
                               check_inputs="never", regions=regions, backend=backend,
                               remat=remat, remat_report=report)
     compiled(ids, ids).backward()
-    from autosp.measure import saved_bytes
+    from autosp.measure import saved_bytes, train_step_memory
 
     held = saved_bytes(model, compiled, ids, ids)
+    peak = train_step_memory(model, compiled, ids, ids).peak_bytes
     calls = {}  # a region's report names its first layer; every layer calling it counts
     for line in compiled.last_compile.outlined:
         layer, _, rest = line.partition(": calls ")
@@ -60,7 +63,7 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: st
             for layer in members:
                 per_layer[layer] = row.recompute_flops
     print("RESULT " + json.dumps({
-        "saved": report.saved_bytes, "held": held,
+        "saved": report.saved_bytes, "held": held, "peak": peak,
         "recompute": sum(g.recompute_flops for g in report.graphs if not g.calls),
         "per_layer": per_layer, "outlined": compiled.last_compile.outlined}), flush=True)
 
@@ -106,6 +109,8 @@ def main() -> None:
           f"regions {reg['recompute'] / 1e6:.1f} MFLOP")
     print(f"held for backward (measured): flat {flat['held'] / 1e6:.3f} MB, regions "
           f"{reg['held'] / 1e6:.3f} MB ({reg['held'] / flat['held']:.3f}x)")
+    print(f"peak of a training step (measured): flat {flat['peak'] / 1e6:.3f} MB, regions "
+          f"{reg['peak'] / 1e6:.3f} MB ({reg['peak'] / flat['peak']:.3f}x)")
 
 
 if __name__ == "__main__":
