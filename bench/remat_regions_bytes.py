@@ -23,7 +23,7 @@ import tempfile
 
 
 def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: str,
-           backend: str) -> None:
+           backend: str, tanh: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -38,6 +38,15 @@ def _child(regions: bool, layers: int, seq: int, sp: int, remat: str, frozen: st
     ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
+    if tanh:  # every decoder layer returns tanh of its output: its backward reads that output
+        from autosp.models.llama import DecoderLayer
+
+        class TanhLayer(DecoderLayer):
+            def forward(self, *args, **kwargs):
+                return torch.tanh(super().forward(*args, **kwargs))
+
+        for layer in model.layers:
+            layer.__class__ = TanhLayer
     for name, p in model.named_parameters():  # frozen: parameters under these prefixes
         p.requires_grad_(not (frozen and name.startswith(tuple(frozen.split(",")))))
     report = RematReport()
@@ -77,11 +86,13 @@ def main() -> None:
     ap.add_argument("--frozen", default="", help="comma-separated parameter name prefixes "
                     "that take no gradient (e.g. embed_tokens,layers.0.,layers.1.)")
     ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    ap.add_argument("--tanh", action="store_true",
+                    help="every decoder layer ends in tanh (its backward reads its output)")
     ap.add_argument("--child", choices=("flat", "regions"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args.child == "regions", args.layers, args.seq, args.sp, args.remat, args.frozen,
-               args.backend)
+               args.backend, args.tanh)
         return
     runs = {}
     for mode in ("flat", "regions"):
@@ -89,14 +100,15 @@ def main() -> None:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode,
                               "--layers", str(args.layers), "--seq", str(args.seq),
                               "--sp", str(args.sp), "--remat", args.remat,
-                              "--frozen", args.frozen, "--backend", args.backend],
+                              "--frozen", args.frozen, "--backend", args.backend]
+                             + (["--tanh"] if args.tanh else []),
                              env=env, capture_output=True, text=True, check=False)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
         runs[mode] = json.loads(line[len("RESULT "):])
     flat, reg = runs["flat"], runs["regions"]
-    print(f"Llama {args.layers} layers, S {args.seq}, rank 0 of sp {args.sp}, remat {args.remat}, "
+    print(f"Llama {args.layers} layers{' ending in tanh' if args.tanh else ''}, S {args.seq}, rank 0 of sp {args.sp}, remat {args.remat}, "
           f"{args.backend}")
     print("regions=True: " + "; ".join(reg["outlined"]))
     print(f"{'layer':<12}{'flat MFLOP':>12}{'regions MFLOP':>15}")
