@@ -13,11 +13,31 @@ from autosp import dynamo_regions
 from distributed import assert_step_exact, make_batch, run_ranks, step_against_reference, tiny_config
 
 
+def _count_reuse_hits() -> list[int]:
+    """A one-element list counting the calls Dynamo stamps out from a traced region (its
+    ``find_reuse_match`` returning a match) from now on in this process; autosp's gate
+    (autosp.dynamo_reuse) wraps whatever is there when a compile starts."""
+    hits = [0]
+    if dynamo_regions.reuse_supported():
+        from torch._dynamo.variables import invoke_subgraph
+
+        find = invoke_subgraph.find_reuse_match
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            match = find(*args, **kwargs)
+            hits[0] += match is not None
+            return match
+
+        invoke_subgraph.find_reuse_match = counting
+    return hits
+
+
 def _worker(rank: int, world: int, backend: str, remat: str, layers: int = 4, seq: int = 32,
             tile_loss: bool = False) -> dict[str, Any]:
     import autosp
     from autosp.models.llama import LlamaForCausalLM
 
+    hits = _count_reuse_hits()
     mesh = autosp.init_mesh(world)
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(4, 2, num_layers=layers))
@@ -28,6 +48,7 @@ def _worker(rank: int, world: int, backend: str, remat: str, layers: int = 4, se
     rec = compiled.last_compile
     out["outlined"] = rec.outlined
     out["traced_once"] = (compiled.traced_once, rec.traced_once)
+    out["reuse_hits"] = hits[0]
     gm = rec.graph_module
     out["calls"] = sum(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
     out["subgraphs"] = sorted(name for name, _ in gm.named_children() if name.startswith("autosp_layer"))
@@ -51,6 +72,7 @@ def test_alike_layers_call_one_subgraph_and_stay_exact(backend: str, remat: str)
             (r["calls"], r["subgraphs"])
         if dynamo_regions.reuse_supported():  # Dynamo traced one layer, stamped out the others
             assert r["traced_once"] == ([f"layers.{i}" for i in range(4)], 4), r["traced_once"]
+            assert r["reuse_hits"] == 3, r["reuse_hits"]  # not refused by autosp.dynamo_reuse
 
 
 @pytest.mark.slow  # 60 s each on 2 cores

@@ -95,7 +95,8 @@ def _marked_forward(forward: Callable) -> Callable:
     parameter nor a buffer (set before the call, ``layer.ctx = x0``): Dynamo makes it a free
     variable of the region, which failed with an internal error ("Freevar has no source"), or,
     when it was the call's input too, was read as that input by every later layer (breaker
-    helper-47). Operands are looked for inside lists, tuples and dicts as well."""
+    helper-47). Operands are looked for inside lists, tuples and dicts as well. State the
+    caller writes elsewhere (a submodule's attribute, a global) is autosp.dynamo_reuse's."""
     region = torch.compiler.nested_compile_region(forward)
 
     @functools.wraps(forward)

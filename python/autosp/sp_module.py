@@ -6,6 +6,7 @@ from capture and compilation become AutospErrors. Re-exported by ``autosp.api``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import numbers
 import warnings
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autosp import dynamo_regions, guard, shard
+from autosp import dynamo_regions, dynamo_reuse, guard, shard
 from autosp.backend import SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 
@@ -191,7 +192,10 @@ class SequenceParallelModule(nn.Module):
         if hasattr(torch._dynamo.config, "ignore_logging_functions"):
             patch["ignore_logging_functions"] = _logging_functions()
         try:
-            with torch._dynamo.config.patch(**patch):
+            # Layers traced once: Dynamo's reuse refused where the forward writes outer state
+            # (autosp.dynamo_reuse).
+            reuse = dynamo_reuse.gated() if self.traced_once else contextlib.nullcontext()
+            with torch._dynamo.config.patch(**patch), reuse:
                 if self._auto is not None:
                     from autosp.remat_auto import choose_for_call
 

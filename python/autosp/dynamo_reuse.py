@@ -1,0 +1,80 @@
+"""When autosp lets Dynamo reuse a traced layer (``regions=True``; see autosp.dynamo_regions).
+
+PyTorch 2.13's Dynamo traces the first call of a nested compile region and stamps that trace
+out for later calls whose inputs match, re-checking the guards of what the first trace read
+(``torch/_dynamo/variables/invoke_subgraph.py``). Its safety argument: a value reaches a region
+through the region's arguments or through a source it can re-read on the new layer. State the
+calling code wrote during the same trace breaks that argument. Dynamo serves such a read from
+its record of side effects, with no source and so no guard, and the later calls get the first
+call's value. Found by breaker helper-48 (torch 2.13, every gradient wrong, no error):
+
+- a tensor set on a submodule of the layer before each call (``layer.sub.ctx = x0``), or in a
+  list or plain object held by the layer (``layer.ctxl = [x0]``);
+- a tensor set in a module-level dict or a global (``_CTX["t"] = x0``, ``global _G``);
+- a number set in a global per layer (``global _SCALE; _SCALE = float(i + 1)``): every layer
+  ran with layer 0's;
+- and, where the hidden tensor was not also the call's input, torch's internal
+  ``AssertionError: Freevar has no source``.
+
+The rule here: while the calling trace has written to any object it did not create (an
+attribute of a module or object, a global, a dict or list that existed before the trace), a
+region call is traced, not stamped out, and its trace is not kept for reuse. The layers stay
+exact, and autosp.outline still compiles alike layers once after the SP pass. A model whose
+forward writes no such state (every model in autosp.models, Hugging Face's, nanoGPT's) keeps
+the reuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+
+def outer_state_written(tx: Any) -> bool:
+    """Whether the trace ``tx`` belongs to has written to an object that existed before it
+    (Dynamo's ``SideEffects``: attribute and global stores, mutated dicts and lists)."""
+    from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+
+    effects = tx.output.side_effects
+    if effects.mutated_sources:
+        return True
+    has_dict = getattr(effects, "has_existing_dict_mutation", None)
+    if has_dict is not None and has_dict():
+        return True
+    for var in list(effects.id_to_variable.values()):
+        if isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew)):
+            continue
+        if effects.is_modified(var):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def gated() -> Iterator[None]:
+    """Dynamo's region reuse, refused while :func:`outer_state_written` holds (see the
+    module). Patches ``find_reuse_match`` and ``save_reuse_entry`` in
+    ``torch._dynamo.variables.invoke_subgraph`` for the duration, when they exist."""
+    try:
+        from torch._dynamo.variables import invoke_subgraph
+    except ImportError:
+        yield
+        return
+    find = getattr(invoke_subgraph, "find_reuse_match", None)
+    save = getattr(invoke_subgraph, "save_reuse_entry", None)
+    if find is None or save is None:
+        yield
+        return
+
+    def gated_find(tx: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if outer_state_written(tx) else find(tx, *args, **kwargs)
+
+    def gated_save(tx: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if outer_state_written(tx) else save(tx, *args, **kwargs)
+
+    invoke_subgraph.find_reuse_match = gated_find
+    invoke_subgraph.save_reuse_entry = gated_save
+    try:
+        yield
+    finally:
+        invoke_subgraph.find_reuse_match = find
+        invoke_subgraph.save_reuse_entry = save
