@@ -74,3 +74,29 @@ def test_hf_moe_exact_with_batched_experts_and_clear_error_otherwise() -> None:
         err = results[-1]["error"]
         assert err is not None and err.startswith("[autosp:capture] found a graph break"), err
         assert 'experts_implementation="batched_mm"' in err, err
+
+
+def _static_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    import autosp
+    from styles import VOCAB, MoELM
+
+    mesh = autosp.init_mesh(world)
+    torch.manual_seed(0)
+    model = MoELM(dense=False)
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", dynamic=False)
+    out = []
+    for seq, seed in ((32, 1), (32, 2), (48, 3)):  # a second batch, then a second length
+        ids, labels = make_batch(VOCAB, 2, seq, seed=seed)
+        out.append(step_against_reference(model, compiled, ids, labels))
+    return out
+
+
+def test_data_dependent_moe_exact_with_static_shapes() -> None:
+    """A top-2 MoE routed with ``torch.where(mask)`` and ``index_add_`` (data-dependent sizes)
+    compiled with ``dynamic=False`` (what ``autosp train`` compiles): exact at world 2, over
+    two batches and a second length. Before, the static compile's AOTAutograd retrace took its
+    own data-dependent symbol u0 for Dynamo's u0 and stopped with an internal error ("u0
+    possible memo disaster"; breaker helper-48); ``dynamic=True`` was exact."""
+    for rank, results in enumerate(run_ranks(2, _static_worker, timeout=400)):
+        for step, r in enumerate(results):
+            assert_step_exact(r, f"rank {rank} step {step}")

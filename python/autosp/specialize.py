@@ -57,6 +57,17 @@ class Retemplate(AutospError):
         self.template = template
 
 
+def _forget_unbacked_bindings(gm: fx.GraphModule) -> None:
+    """Drop the data-dependent symbols Dynamo bound at ``gm``'s nodes (``torch.where(mask)`` in
+    MoE routing makes one). AOTAutograd's retrace renames the symbol it makes at such a node to
+    the one in its meta, which a static compile's own shape env never had: the symbols share a
+    name (u0) and PyTorch stops ("u0 possible memo disaster"), or, named apart, it has no range
+    for Dynamo's (found by breaker helper-48: a top-2 MoE with ``dynamic=False``). The retrace's
+    own symbols serve the static compile, as its sizes do."""
+    for node in gm.graph.nodes:
+        node.meta.pop("unbacked_bindings", None)
+
+
 class PerShapeCompiled:
     """The applied graph ``gm`` compiled (by ``compile_fn(gm, example_inputs)``) once per
     distinct :func:`shape_key` of its inputs, at the first call with them. ``shapes`` lists
@@ -103,6 +114,7 @@ class PerShapeCompiled:
 
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         gm, keep = self._copy(args, template)
+        _forget_unbacked_bindings(gm)
         inputs = [fake_mode.from_tensor(args[i], static_shapes=True)
                   if isinstance(args[i], torch.Tensor) else args[i] for i in keep]
         try:
