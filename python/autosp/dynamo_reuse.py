@@ -65,11 +65,17 @@ def gated() -> Iterator[None]:
         yield
         return
 
+    def written(tx: Any) -> bool:
+        try:
+            return outer_state_written(tx)
+        except AttributeError:  # a Dynamo whose side-effect record this does not know: no reuse
+            return True
+
     def gated_find(tx: Any, *args: Any, **kwargs: Any) -> Any:
-        return None if outer_state_written(tx) else find(tx, *args, **kwargs)
+        return None if written(tx) else find(tx, *args, **kwargs)
 
     def gated_save(tx: Any, *args: Any, **kwargs: Any) -> Any:
-        return None if outer_state_written(tx) else save(tx, *args, **kwargs)
+        return None if written(tx) else save(tx, *args, **kwargs)
 
     invoke_subgraph.find_reuse_match = gated_find
     invoke_subgraph.save_reuse_entry = gated_save
