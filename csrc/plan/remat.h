@@ -79,6 +79,10 @@ struct RematNode {
   bool tangents_closure = false;  // depends on a tangent (NodeInfo.tangents_closure)
   bool primal_input = false;      // a primal or forward RNG seed placeholder: never recomputed
   bool static_lifetime = false;   // a parameter/buffer input: free to save
+  // Handed on by the forward (one of the joint graph's forward outputs): its caller holds it
+  // anyway, so sequence-aware prefers it among cuts of equal bytes (a region's output that
+  // its backward reads, rather than a value computed from it).
+  bool forward_output = false;
   bool must_save = false;         // tagged MUST_SAVE (collectives, effectful ops, ...)
   bool must_recompute = false;    // tagged MUST/PREFER_RECOMPUTE by the user
   // A collective over the group parameters are sharded on (autosp.fully_shard): its value is a

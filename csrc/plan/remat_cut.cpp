@@ -21,8 +21,9 @@ namespace autosp::remat_detail {
 namespace {
 
 // Sequence-aware capacities are bytes * kTieBreakScale + min(dist_from_bw, kTieBreakScale - 1):
-// the cut minimises bytes first; among equal-byte cuts it prefers values close to the
-// backward, which leaves less to recompute.
+// the cut minimises bytes first; among equal-byte cuts it prefers a forward output (held by
+// the caller anyway: tie-break 0), then values close to the backward, which leaves less to
+// recompute.
 constexpr int64_t kTieBreakScale = 256;
 
 int64_t capacity_of(const Prepared& p, int32_t i, RematPolicy policy) {
@@ -52,7 +53,8 @@ int64_t capacity_of(const Prepared& p, int32_t i, RematPolicy policy) {
     }
     return materialized ? weight : weight * 2;
   }
-  return node.bytes * kTieBreakScale + std::min<int64_t>(dist, kTieBreakScale - 1);
+  const int64_t tie = node.forward_output ? 0 : std::min<int64_t>(dist, kTieBreakScale - 1);
+  return node.bytes * kTieBreakScale + tie;
 }
 
 std::string describe_path(const RematGraph& graph, const FlowNetwork& net,

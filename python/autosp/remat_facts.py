@@ -331,10 +331,11 @@ def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     return aliases
 
 
-def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], list[Any]]:
+def gather_facts(joint_graph: fx.Graph, node_info: Any,
+                 forward_outputs: Any = ()) -> tuple[list[fx.Node], list[Any]]:
     """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
     graph, in graph order, with sizes and FLOPs at the trace's hint; the planner builds its
-    memory graph from the same facts."""
+    memory graph from the same facts. ``forward_outputs``: the nodes the forward hands on."""
     partitioners = _partitioners()
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.utils import _is_fwd_seed_offset, _is_primal
@@ -351,6 +352,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
     required_bw = set(node_info.required_bw_nodes)
     tangents_closure = set(node_info.tangents_closure)
     static_lifetime = set(node_info.static_lifetime_input_nodes) if params_free else set()
+    outputs = set(forward_outputs)
     must_save_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
 
     # What depends on the op alone (its kind, name, fusibility) is worked out once per op.
@@ -387,6 +389,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any) -> tuple[list[fx.Node], 
         f.tangents_closure = node in tangents_closure
         f.primal_input = _is_primal(node) or _is_fwd_seed_offset(node)
         f.static_lifetime = node in static_lifetime
+        f.forward_output = node in outputs
         f.must_save = node.meta.get("recompute") == must_save_policy
         f.must_recompute = partitioners.must_recompute(node)
         f.parameter_collective = is_parameter_collective(node)

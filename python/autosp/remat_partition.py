@@ -111,7 +111,9 @@ def _partition_graphs(
             static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
         )
 
-    nodes, facts = gather_facts(joint_graph, node_info)
+    fwd_outputs = joint_graph.output_node().args[0][:num_fwd_outputs]
+    nodes, facts = gather_facts(joint_graph, node_info,
+                                [n for n in fwd_outputs if isinstance(n, fx.Node)])
     # With regions (autosp.outline), sequence-aware's choice is kept per layer
     # (autosp.remat_regions): a stamped region takes its layers' admissions, a graph calling
     # regions makes the choice over every call.

@@ -79,6 +79,7 @@ void init_remat(nb::module_& m) {
       .def_rw("tangents_closure", &RematNode::tangents_closure)
       .def_rw("primal_input", &RematNode::primal_input)
       .def_rw("static_lifetime", &RematNode::static_lifetime)
+      .def_rw("forward_output", &RematNode::forward_output)
       .def_rw("must_save", &RematNode::must_save)
       .def_rw("must_recompute", &RematNode::must_recompute)
       .def_rw("parameter_collective", &RematNode::parameter_collective)

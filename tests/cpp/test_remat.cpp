@@ -31,6 +31,7 @@ class GraphBuilder {
     bool param = false;
     bool parameter_collective = false;
     RematSaveCost save_cost = RematSaveCost::kTensor;
+    bool output = false;  // one of the forward's outputs
   };
 
   int32_t add(const Spec& s) {
@@ -48,6 +49,7 @@ class GraphBuilder {
     node.primal_input = s.primal;
     node.static_lifetime = s.param;
     node.parameter_collective = s.parameter_collective;
+    node.forward_output = s.output;
     node.fusible = fusible_kind(s.kind);
     node.args = s.inputs;
     const auto id = static_cast<int32_t>(graph.nodes.size());
@@ -191,6 +193,28 @@ TEST(Remat, StorageOwnersFollowAliasChains) {
   EXPECT_EQ(storage_owners({-1, 0, 1, -1, 3, 9}), (std::vector<int32_t>{0, 0, 0, 3, 3, 5}));
   EXPECT_EQ(storage_owner({1, 0}, 0), 0);  // a cycle stops after n steps
   EXPECT_TRUE(storage_owners({}).empty());
+}
+
+// A layer ending in tanh, as Inductor decomposes its backward: y = tanh(x) is the forward's
+// output, y2 = y * y is computable in the forward, and the backward reads y2 alone. Saving y
+// or y2 costs the same; the caller holds y anyway, so sequence-aware saves y and recomputes y2
+// (a region saved y2 beside the y its caller held: 1.11x flat's held bytes, compile_time.md).
+TEST(Remat, SequenceAwarePrefersAForwardOutputAmongEqualCuts) {
+  using K = RematOpKind;
+  for (bool output : {false, true}) {
+    GraphBuilder b;
+    const int32_t x = b.add({.name = "x", .kind = K::kInput, .bytes = 1000, .primal = true});
+    const int32_t y = b.add({.name = "y", .bytes = 1000, .inputs = {x}, .output = output});
+    const int32_t y2 = b.add({.name = "y2", .bytes = 1000, .inputs = {y, y}});
+    const int32_t t = b.add(
+        {.name = "tangents_1", .kind = K::kInput, .bytes = 1000, .fw = false, .tangent = true});
+    b.add({.name = "grad", .bytes = 1000, .inputs = {t, y2}, .fw = false, .tangent = true});
+    const RematSolution s = solve_remat(b.graph, {.policy = RematPolicy::kSequenceAware});
+    expect_valid_partition(b.graph, s);
+    const std::string chosen = output ? "y" : "y2";
+    EXPECT_EQ(names(b.graph, s.saved), std::vector<std::string>{chosen}) << "output " << output;
+    EXPECT_EQ(s.saved_bytes, 1000);
+  }
 }
 
 TEST(Remat, DefaultNeverRecomputesMatmul) {
