@@ -83,8 +83,8 @@ struct RematNode {
   // anyway, so sequence-aware prefers it among cuts of equal bytes (a region's output that
   // its backward reads, rather than a value computed from it).
   bool forward_output = false;
-  bool must_save = false;         // tagged MUST_SAVE (collectives, effectful ops, ...)
-  bool must_recompute = false;    // tagged MUST/PREFER_RECOMPUTE by the user
+  bool must_save = false;       // tagged MUST_SAVE (collectives, effectful ops, ...)
+  bool must_recompute = false;  // tagged MUST/PREFER_RECOMPUTE by the user
   // A collective over the group parameters are sharded on (autosp.fully_shard): its value is a
   // gathered parameter (see solve_remat).
   bool parameter_collective = false;
