@@ -19,9 +19,15 @@ call's value. Found by breaker helper-48 (torch 2.13, every gradient wrong, no e
 The rule here: while the calling trace has written to any object it did not create (an
 attribute of a module or object, a global, a dict or list that existed before the trace), a
 region call is traced, not stamped out, and its trace is not kept for reuse. The layers stay
-exact, and autosp.outline still compiles alike layers once after the SP pass. A model whose
-forward writes no such state (every model in autosp.models, Hugging Face's, nanoGPT's) keeps
-the reuse.
+exact, and autosp.outline still compiles alike layers once after the SP pass. A tensor's
+attribute counts too, whoever made the tensor (``x.ctx = x0; x = layer(x)``).
+
+A model whose forward writes no such state (autosp.models' Llama, nanoGPT, a from-scratch
+Llama) keeps the reuse (breaker helper-49 counted the same hits with and without the rule).
+The rule is coarse: a write no layer reads also ends the reuse for the rest of the forward
+(Meta's reference Llama writes ``self.freqs_cis = self.freqs_cis.to(h.device)`` first: 0 of 3
+hits, against 3 without the rule), which costs compile time, not exactness. Hugging Face's
+decoder layers are never reused by Dynamo, with or without it (it finds side effects in them).
 """
 
 from __future__ import annotations
@@ -32,11 +38,17 @@ from typing import Any, Iterator
 
 def outer_state_written(tx: Any) -> bool:
     """Whether the trace ``tx`` belongs to has written to an object that existed before it
-    (Dynamo's ``SideEffects``: attribute and global stores, mutated dicts and lists)."""
+    (Dynamo's ``SideEffects``: attribute and global stores, mutated dicts and lists), or an
+    attribute of a tensor (``x.ctx = x0``: a tensor the trace made can reach a region as its
+    argument, and the attribute with it, read without a source; breaker helper-49)."""
+    from torch._dynamo.variables import TensorVariable
     from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
 
     effects = tx.output.side_effects
     if effects.mutated_sources:
+        return True
+    if any(attrs and isinstance(var, TensorVariable)
+           for var, attrs in list(effects.store_attr_mutations.items())):
         return True
     has_dict = getattr(effects, "has_existing_dict_mutation", None)
     if has_dict is not None and has_dict():

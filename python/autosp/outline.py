@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autosp.bridge import writes_in_place
 from autosp.canon import target_name
@@ -185,6 +186,10 @@ class _Region:
                 return f"it computes a size from one of its own tensors' sizes ({n.name})"
             if writes_in_place(n):
                 return f"it writes in place ({n.name})"
+            if n.meta.get("unbacked_bindings") or free_unbacked_symbols(_value(n)):
+                # Inductor's code for the subgraph handed the caller a data-dependent size it
+                # never defined ("name 'u7' is not defined", mask.nonzero(); helper-49).
+                return f"it makes a data-dependent size ({n.name})"
         for a in self.operands:
             if _operand_kind(a) is None:
                 return f"its operand {a.name} is neither a tensor nor a symbolic int"
@@ -284,8 +289,31 @@ def _gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     return run, ""
 
 
+def _contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
+    """The autocast and grad mode each node runs under, from the graph's context nodes
+    (Dynamo's ``_enter_autocast``/``_exit_autocast`` and ``_set_grad_enabled``)."""
+    state: dict[fx.Node, tuple] = {}
+    stack: list[tuple] = []
+    grad = None
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == "_enter_autocast":
+            stack.append(tuple(repr(a) for a in n.args))
+        elif name == "_exit_autocast" and stack:
+            stack.pop()
+        elif name in ("_set_grad_enabled", "set_grad_enabled"):
+            grad = repr(n.args)
+        state[n] = (tuple(stack), grad)
+    return state
+
+
 def _regions(gm: fx.GraphModule) -> tuple[list[_Region], list[str]]:
-    """The graph's numbered layers as regions, each made one contiguous run of nodes."""
+    """The graph's numbered layers as regions, each made one contiguous run of nodes. A
+    region's key holds the autocast and grad mode it runs under: a subgraph is traced once, in
+    its first call's mode (found: a layer under ``torch.autocast`` called the subgraph of fp32
+    layers and ran in fp32; breaker helper-49). One that enters or leaves a mode, or that the
+    gathering moved into another, stays inline."""
+    before = _contexts(gm.graph)
     layers = _numbered_layers(gm.graph)
     tag = {n: layer for layer, nodes in layers.items() for n in nodes}
     skipped: list[str] = []
@@ -297,9 +325,15 @@ def _regions(gm: fx.GraphModule) -> tuple[list[_Region], list[str]]:
         else:
             regions.append(_Region(layer, run))
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    after = _contexts(gm.graph)
     for r in regions:  # a later layer's moves may not split an earlier run
         if not r.why_not and pos[r.nodes[-1]] - pos[r.nodes[0]] != len(r.nodes) - 1:
             r.why_not, r.key = "its nodes are not one contiguous run", None
+        modes = {before[n] for n in r.nodes} | {after[n] for n in r.nodes}
+        if not r.why_not and len(modes) > 1:
+            r.why_not, r.key = "it enters or leaves torch.autocast or a grad mode", None
+        elif not r.why_not:
+            r.key = (r.key, modes.pop())
     return regions, skipped
 
 
