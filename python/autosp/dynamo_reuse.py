@@ -22,6 +22,9 @@ region call is traced, not stamped out, and its trace is not kept for reuse. The
 exact, and autosp.outline still compiles alike layers once after the SP pass. A tensor's
 attribute counts too, whoever made the tensor (``x.ctx = x0; x = layer(x)``).
 
+Likewise while the calling trace has entered or left an autocast or grad mode (see
+:func:`mode_entered`).
+
 A model whose forward writes no such state (autosp.models' Llama, nanoGPT, a from-scratch
 Llama) keeps the reuse (breaker helper-49 counted the same hits with and without the rule).
 The rule is coarse: a write no layer reads also ends the reuse for the rest of the forward
@@ -61,6 +64,22 @@ def outer_state_written(tx: Any) -> bool:
     return False
 
 
+#: Dynamo's graph nodes for entering or leaving a mode (torch.autocast, grad mode).
+_MODE_NODES = frozenset({"_enter_autocast", "_exit_autocast", "_set_grad_enabled",
+                         "set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode"})
+
+
+def mode_entered(tx: Any) -> bool:
+    """Whether the calling trace has entered or left an autocast or grad mode so far (a node
+    of :data:`_MODE_NODES` in its graph). Dynamo's reuse does not compare the mode at the call
+    with the first trace's, and a layer that reads it (``torch.is_autocast_enabled()``,
+    ``torch.is_grad_enabled()``) has the read folded into that trace: layer 1 of 3 under
+    ``torch.autocast`` ran layer 0's branch (breaker helper-50; plain ``nested_compile_region``
+    does the same)."""
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _MODE_NODES
+               for n in tx.output.graph.nodes)
+
+
 @contextlib.contextmanager
 def gated() -> Iterator[None]:
     """Dynamo's region reuse, refused while :func:`outer_state_written` holds (see the
@@ -79,7 +98,7 @@ def gated() -> Iterator[None]:
 
     def written(tx: Any) -> bool:
         try:
-            return outer_state_written(tx)
+            return outer_state_written(tx) or mode_entered(tx)
         except AttributeError:  # a Dynamo whose side-effect record this does not know: no reuse
             return True
 
