@@ -56,7 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed import make_batch, relative_grad_errors, run_ranks, step_against_reference
+from distributed import (assert_errors_within, make_batch, relative_grad_errors, run_ranks,
+                         step_against_reference)
 from styles import GeluMLP, PreNormBlock, SimpleAttention
 
 VOCAB, HIDDEN = 128, 32
@@ -222,9 +223,7 @@ def _check(model_name: str, *, loss_atol: float = 1e-5, grad_rtol: float = 1e-4,
     for rank, r in enumerate(results):
         for step, s in enumerate(r["steps"]):
             where = f"rank {rank} step {step} {model_name} {opts} outlined={r['outlined']}"
-            assert abs(s["loss"] - s["ref_loss"]) <= loss_atol, (where, s["loss"], s["ref_loss"])
-            bad = {k: f"{v:.2e}" for k, v in s["errors"].items() if not v <= grad_rtol}
-            assert not bad, f"{where}: {bad}"
+            assert_errors_within(s, where, loss_atol=loss_atol, grad_rtol=grad_rtol)
     return results
 
 

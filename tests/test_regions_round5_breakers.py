@@ -83,7 +83,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed import make_batch, relative_grad_errors, run_ranks, step_against_reference
+from distributed import (assert_errors_within, exact_or_autosp_error, make_batch,
+                         relative_grad_errors, run_ranks, step_against_reference)
 
 VOCAB, HIDDEN = 128, 32
 
@@ -263,22 +264,13 @@ def _check(model_name: str, *, loss_atol: float = 1e-5, grad_rtol: float = 1e-4,
     for rank, r in enumerate(results):
         for step, s in enumerate(r["steps"]):
             where = f"rank {rank} step {step} {model_name} {opts} outlined={r['outlined']}"
-            assert abs(s["loss"] - s["ref_loss"]) <= loss_atol, (where, s["loss"], s["ref_loss"])
-            bad = {k: f"{v:.2e}" for k, v in s["errors"].items() if not v <= grad_rtol}
-            assert not bad, f"{where}: {bad}"
+            assert_errors_within(s, where, loss_atol=loss_atol, grad_rtol=grad_rtol)
     return results
 
 
 def _exact_or_refused(model_name: str, **opts: Any) -> None:
     """Exact, or an AutospError; torch's raw 'Freevar has no source' fails the test."""
-    try:
-        _check(model_name, **opts)
-    except Exception as e:  # run_ranks re-raises it (distributed.RankError when it won't pickle)
-        if "Freevar has no source" in str(e):
-            pytest.fail("raw Dynamo AssertionError ('Freevar has no source') instead of an "
-                        "exact result or an AutospError")
-        if "AutospError" not in f"{type(e).__name__} {e}":
-            raise
+    exact_or_autosp_error(_check, model_name, **opts)
 
 
 def test_tensor_attribute_on_a_submodule_is_exact() -> None:

@@ -82,7 +82,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed import make_batch, run_ranks
+from distributed import assert_errors_within, make_batch, run_ranks
 
 VOCAB, HIDDEN = 128, 32
 _BF = torch.bfloat16
@@ -212,9 +212,7 @@ def _check(wiring: str, *, loss_atol: float = 5e-6, grad_rtol: float = 1e-4,
     results = run_ranks(2, _worker, wiring, opts, timeout=600.0)
     for rank, r in enumerate(results):
         where = f"rank {rank} {wiring} {opts} outlined={r['outlined']}"
-        assert abs(r["loss"] - r["ref_loss"]) <= loss_atol, (where, r["loss"], r["ref_loss"])
-        bad = {k: f"{v:.2e}" for k, v in r["errors"].items() if not v <= grad_rtol}
-        assert not bad, f"{where}: {bad}"
+        assert_errors_within(r, where, loss_atol=loss_atol, grad_rtol=grad_rtol)
     return results
 
 
