@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-from autosp.ops import is_pointwise
+from autosp.ops import GRAD_MODE_SETTERS, is_pointwise
 
 ArgPath = tuple
 
@@ -183,7 +183,7 @@ def canonicalize(node: fx.Node) -> Canon:
     name = target_name(node)
     name = _ALIASES.get(name, name)
     ex = _example(node)
-    if name in ("_set_grad_enabled", "set_grad_enabled") and node.args and isinstance(node.args[0], bool):
+    if name in GRAD_MODE_SETTERS and node.args and isinstance(node.args[0], bool):
         # The plan needs the grad mode: a gradient sync placed in a no_grad region is lost.
         return "nontensor", [], {"grad_enabled": node.args[0]}
     if name in ("_enter_autocast", "_exit_autocast"):

@@ -64,19 +64,16 @@ def outer_state_written(tx: Any) -> bool:
     return False
 
 
-#: Dynamo's graph nodes for entering or leaving a mode (torch.autocast, grad mode).
-_MODE_NODES = frozenset({"_enter_autocast", "_exit_autocast", "_set_grad_enabled",
-                         "set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode"})
-
-
 def mode_entered(tx: Any) -> bool:
     """Whether the calling trace has entered or left an autocast or grad mode so far (a node
-    of :data:`_MODE_NODES` in its graph). Dynamo's reuse does not compare the mode at the call
+    of ``autosp.ops.MODE_NODES`` in its graph). Dynamo's reuse does not compare the mode at the call
     with the first trace's, and a layer that reads it (``torch.is_autocast_enabled()``,
     ``torch.is_grad_enabled()``) has the read folded into that trace: layer 1 of 3 under
     ``torch.autocast`` ran layer 0's branch (breaker helper-50; plain ``nested_compile_region``
     does the same)."""
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in _MODE_NODES
+    from autosp.ops import MODE_NODES
+
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") in MODE_NODES
                for n in tx.output.graph.nodes)
 
 

@@ -27,6 +27,12 @@ import torch
 # Elementwise functions whose ATen op carries no pointwise tag.
 UNTAGGED_POINTWISE = frozenset({"floor_divide", "hardswish", "log_sigmoid", "fix"})
 
+#: Dynamo's graph nodes that set a mode: grad mode, and autocast's enter and exit.
+GRAD_MODE_SETTERS = frozenset({"_set_grad_enabled", "set_grad_enabled"})
+#: Every node that enters or leaves a mode (grad, autocast, inference mode).
+MODE_NODES = GRAD_MODE_SETTERS | {"_enter_autocast", "_exit_autocast", "_enter_inference_mode",
+                                  "_exit_inference_mode"}
+
 
 def _packet(name: str) -> torch._ops.OpOverloadPacket | None:
     try:

@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autosp.bridge import writes_in_place
 from autosp.canon import target_name
-from autosp.ops import is_random, may_alias_call
+from autosp.ops import GRAD_MODE_SETTERS, is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 from autosp.remat_policy import MemoryBudget, Offload
 from autosp.remat_regions import ADMIT_KEY, CALLS_KEY, LAYER_KEY
@@ -301,7 +301,7 @@ def _contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
             stack.append(tuple(repr(a) for a in n.args))
         elif name == "_exit_autocast" and stack:
             stack.pop()
-        elif name in ("_set_grad_enabled", "set_grad_enabled"):
+        elif name in GRAD_MODE_SETTERS:
             grad = repr(n.args)
         state[n] = (tuple(stack), grad)
     return state
