@@ -156,3 +156,48 @@ def test_layers_that_differ_where_dynamos_guards_do_not_look_are_not_marked_toge
         layer.self_attn.layer_idx = i
     assert dynamo_regions.mark_layers(model) == ["layers.0", "layers.1", "layers.2"]
     dynamo_regions.unmark_layers(model)
+
+
+@pytest.mark.parametrize("reference, marked", [
+    ("none", True),
+    ("shared_registered", True),  # one module registered in every layer: same object each
+    ("plain_embed", True),  # a plain reference to a module outside the layers, not a holder
+    ("plain_root", False),  # self._root = [model]
+    ("plain_first", False),  # self._first = [layers[0]]
+    ("plain_part_of_first", False),  # self._peer = {"mlp": layers[0].mlp}
+    ("registered_root", False),  # the model registered as a submodule (a cycle)
+    ("object_holding_list", False),  # a plain object holding the layers' list
+])
+def test_a_layer_reaching_another_layers_state_is_not_marked(reference: str,
+                                                             marked: bool) -> None:
+    """Dynamo stamps a layer's trace out by putting the new layer's source in place of the
+    first layer's wherever it occurs, so a layer reading layer 0's buffer through a reference
+    to the model or to layer 0 read its own (breaker helper-51, all gradients off): such
+    layers are left unmarked (dynamo_regions.back_reference) and Dynamo traces each."""
+    model = _model(3)
+    layers = list(model.model.layers) if hasattr(model, "model") else list(model.layers)
+    shared = torch.nn.Linear(2, 2)
+    for layer in layers:
+        if reference == "shared_registered":
+            layer.extra = shared
+        elif reference == "plain_embed":
+            layer._embed = [model.lm_head]
+        elif reference == "plain_root":
+            layer._root = [model]
+        elif reference == "plain_first":
+            layer._first = [layers[0]]
+        elif reference == "plain_part_of_first":
+            layer._peer = {"mlp": layers[0].mlp} if layer is not layers[0] else {}
+        elif reference == "registered_root":
+            layer.parent = model
+        elif reference == "object_holding_list":
+            layer._ctx = types.SimpleNamespace(all=[layers])
+    paths = dynamo_regions.mark_layers(model)
+    try:
+        assert bool(paths) is marked, (reference, paths)
+        if not marked:
+            where = dynamo_regions.back_reference(model, "layers.1", layers[1],
+                                                  dynamo_regions.numbered_layers(model))
+            assert where is not None and where.startswith("layers.1"), where
+    finally:
+        dynamo_regions.unmark_layers(model)

@@ -5,6 +5,7 @@ tests/test_regions_round5_breakers.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(not dynamo_regions.reuse_supported(),
 
 _SCALE = 1.0
 _CTX: dict[str, Any] = {}
+_MODEL: list[nn.Module] = []  # the model, for layers that read its attributes (some wirings)
 
 
 class _Sub(nn.Module):
@@ -27,7 +29,7 @@ class _Sub(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         ctx = getattr(self, "ctx", None)
-        return self.lin(h if ctx is None else h + ctx)
+        return self.lin(h if ctx is None else h + ctx) * getattr(self, "scale", 1.0)
 
 
 class _Layer(nn.Module):
@@ -39,6 +41,12 @@ class _Layer(nn.Module):
         g = _CTX.get("t")
         if g is not None:
             x = x * g
+        if _MODEL:  # state of the model, reached through a global
+            x = x * getattr(_MODEL[0], "scale", 1.0)
+            if _MODEL[0].wiring == "model_tensor_read":
+                x = x + _MODEL[0].freqs
+        if torch.is_autocast_enabled("cpu"):
+            x = x * 2.0
         return x + torch.tanh(self.sub(x)) * _SCALE
 
 
@@ -58,12 +66,45 @@ class _Model(nn.Module):
                 _CTX["t"] = x0 * (i + 1)
             elif self.wiring == "global_number":
                 _SCALE = float(i + 1)
-            x = layer(x)
+            elif self.wiring == "model_number_between":  # a held store, between the calls
+                self.scale = float(i + 1)
+            if self.wiring == "autocast_one" and i == 1:
+                with torch.autocast("cpu", torch.bfloat16):
+                    x = layer(x).float()
+            else:
+                x = layer(x)
         _SCALE = 1.0
         _CTX.clear()
         for layer in self.layers:
             vars(layer.sub).pop("ctx", None)
         return x.square().sum()
+
+    def before(self, x0: torch.Tensor) -> None:
+        """Stores made once, before the first layer (some wirings)."""
+        if self.wiring == "model_buffer":  # a registered buffer: Module.__setattr__ writes _buffers
+            self.table = self.table.to(x0.device)
+        elif self.wiring in ("model_tensor", "model_tensor_read"):
+            self.freqs = x0 * 2.0  # Meta's llama: self.freqs_cis = self.freqs_cis.to(h.device)
+        elif self.wiring == "model_number":
+            self.scale = 3.0
+        elif self.wiring == "model_counter":
+            self.calls = getattr(self, "calls", 0) + 1
+        elif self.wiring == "layer_number":  # a store on each layer: per-layer state
+            for i, layer in enumerate(self.layers):
+                layer.sub.scale = float(i + 1)
+
+
+class _Before(_Model):
+    def __init__(self, wiring: str) -> None:
+        super().__init__(wiring)
+        self.register_buffer("table", torch.ones(8), persistent=False)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        self.before(x0)
+        if self.wiring == "autocast_all":
+            with torch.autocast("cpu", torch.bfloat16):
+                return super().forward(x0).float()
+        return super().forward(x0)
 
 
 def _subgraphs(model: nn.Module, x: torch.Tensor, gate: bool) -> tuple[int, int, torch.Tensor]:
@@ -139,3 +180,83 @@ def test_reuse_is_kept_for_a_forward_that_writes_nothing() -> None:
     assert (calls, subgraphs, hits[0]) == (4, 1, 3)  # layers 1-3 stamped out
     torch.testing.assert_close(out, expected)
     assert (invoke_subgraph.find_reuse_match, invoke_subgraph.save_reuse_entry) == before
+
+
+def _reset(model: _Model) -> None:
+    for name in ("freqs", "scale", "calls"):
+        vars(model).pop(name, None)
+    for layer in model.layers:
+        vars(layer.sub).pop("scale", None)
+
+
+def _hits_and_out(wiring: str, gate: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(reuse hits, compiled output, eager output) of a _Before model with ``wiring``, the
+    model reachable by its layers through ``_MODEL``. Gated as autosp gates it: the model is
+    the module holding every layer (dynamo_reuse.shared_modules)."""
+    from torch._dynamo.variables import invoke_subgraph
+
+    torch.manual_seed(0)
+    model = _Before(wiring)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    _MODEL[:] = [model]
+    original = invoke_subgraph.find_reuse_match
+    hits = [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        match = original(*args, **kwargs)
+        hits[0] += match is not None
+        return match
+
+    try:
+        expected = model(x)
+        _reset(model)
+        torch._dynamo.reset()
+        paths = dynamo_regions.mark_layers(model)
+        shared = dynamo_reuse.shared_modules(model, paths)
+        assert {id(model), id(model.layers), id(model._buffers)} <= shared
+        assert not shared & {id(m) for layer in model.layers for m in layer.modules()}
+        invoke_subgraph.find_reuse_match = counting
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with dynamo_reuse.gated(shared) if gate else contextlib.nullcontext():
+            out = compiled(x)
+    finally:
+        invoke_subgraph.find_reuse_match = original
+        dynamo_regions.unmark_layers(model)
+        _MODEL.clear()
+        _reset(model)
+    return hits[0], out, expected
+
+
+@pytest.mark.parametrize("wiring", ["model_tensor", "model_buffer", "model_number",
+                                    "model_counter", "autocast_all"])
+def test_reuse_is_kept_when_the_model_writes_its_own_attribute_before_the_layers(
+        wiring: str) -> None:
+    """A store on the model before the first layer (Meta's reference Llama:
+    ``self.freqs_cis = self.freqs_cis.to(h.device)``, on a plain attribute or a registered
+    buffer; a number the layers read through a
+    global; a call counter), or every layer under one autocast: one object, one mode for every
+    layer. Layers 1-3 are stamped out (3 hits) and the output is the eager one. The first rule
+    refused every store and gave 0 hits."""
+    hits, out, expected = _hits_and_out(wiring, gate=True)
+    torch.testing.assert_close(out, expected)
+    assert hits == 3
+
+
+@pytest.mark.parametrize("wiring", ["layer_number", "model_number_between", "model_tensor_read",
+                                    "autocast_one"])
+def test_reuse_is_refused_where_a_layer_could_read_other_state(wiring: str) -> None:
+    """Where a stamped-out layer would read other state than the first: a number stored on
+    each layer before the first call (per-layer state, though stored before any call), a
+    number stored on the model between the calls, a tensor stored on the model that the layer
+    reads (Dynamo cannot keep the trace: "Freevar has no source"), layer 1 under autocast (the
+    layer reads the mode). Gated: exact, with no hit for the calls after the state changed.
+    Ungated: wrong, or torch's internal error (what the gate guards against)."""
+    hits, out, expected = _hits_and_out(wiring, gate=True)
+    torch.testing.assert_close(out, expected)
+    assert hits == 0
+    try:
+        hits, out, _ = _hits_and_out(wiring, gate=False)
+    except Exception as e:  # noqa: BLE001 - Dynamo's internal error is the other outcome
+        assert "Freevar has no source" in str(e), e
+    else:
+        assert not torch.allclose(out, expected), hits

@@ -3,7 +3,7 @@ by the autocast and grad mode it runs under and keeps inline a layer that enters
 or makes a data-dependent size; autosp.dynamo_reuse counts an attribute stored on any tensor),
 torch 2.13 CPU, world 2 Gloo, aot_eager; loss and every parameter gradient against one device.
 
-FIXED after this round: 1, in autosp.dynamo_reuse.mode_entered (no reuse once the calling
+FIXED after this round: 1, in autosp.dynamo_reuse (no reuse once the calling
 trace has entered or left an autocast or grad mode); the 3 cases failed before and pass.
 
 FOUND (numbers from this file's model, 3 token-local layers, hidden 32, B=2, S=32, both ranks

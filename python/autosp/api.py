@@ -236,7 +236,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     (``layers.3``) whose class has two or more instances is given a subclass of its class with
     a ``nested_compile_region`` forward (autosp.dynamo_regions; ``.traced_once`` lists them).
     Where the forward writes state between layer calls (a module's attribute, a global), each
-    call is traced instead (autosp.dynamo_reuse).
+    call is traced instead (autosp.dynamo_reuse); a layer holding a reference to the model or
+    to another layer is not marked.
     ``SequenceParallelModule.last_compile.outlined`` says which layers call which subgraph,
     or why one stays inline (with ``remat=Offload(...)`` or a ``MemoryBudget`` all do: offloading
     and a budget are decided over the whole graph; autosp.outline.whole_graph_policy).

@@ -23,7 +23,7 @@ import functools
 import importlib.util
 import operator
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -181,6 +181,61 @@ def layer_signature(layer: nn.Module, depth: int = 0) -> tuple:
     return tuple(out)
 
 
+def _plain_modules(value: Any, depth: int = 0) -> Iterator[nn.Module]:
+    """The modules a plain attribute holds (itself, or in lists, tuples, dicts and plain
+    objects, three levels deep)."""
+    if depth > 3:
+        return
+    if isinstance(value, nn.Module):
+        yield value
+    elif isinstance(value, (tuple, list, set, frozenset)):
+        for v in value:
+            yield from _plain_modules(v, depth + 1)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _plain_modules(v, depth + 1)
+    elif not isinstance(value, (torch.Tensor, type)) and isinstance(getattr(value, "__dict__", None), dict):
+        for v in vars(value).values():
+            yield from _plain_modules(v, depth + 1)
+
+
+def back_reference(model: nn.Module, path: str, layer: nn.Module,
+                   layers: list[tuple[str, nn.Module]]) -> str | None:
+    """Why ``layer`` (at ``path``) reaches another layer's state, or None: it holds the model,
+    a module on the way to the layers or another layer as a submodule, or holds one of those
+    or a part of another layer in a plain attribute (``self._root = [model]``, ``self._first =
+    [layers[0]]``). Dynamo stamps a layer's trace out by putting the new layer's source in
+    place of the first layer's wherever it occurs, so a layer that read layer 0's buffer
+    through such a reference read its own (breaker helper-51: all gradients off, plain
+    ``nested_compile_region`` alike). A submodule shared by registration (the same module
+    registered in every layer) is left alone: its source names the same object in each."""
+    holders = {id(model): "the model"}
+    for p, _ in layers:
+        parts = p.split(".")
+        for i in range(1, len(parts)):
+            holders.setdefault(id(model.get_submodule(".".join(parts[:i]))), ".".join(parts[:i]))
+    own = {id(m) for m in layer.modules()}
+    others: dict[int, str] = {}
+    for p, other in layers:
+        if other is not layer:
+            others.setdefault(id(other), p)
+            for rel, m in other.named_modules():
+                if id(m) not in own:
+                    others.setdefault(id(m), f"{p}.{rel}" if rel else p)
+    layer_ids = {id(other): p for p, other in layers if other is not layer}
+    for rel, m in layer.named_modules():
+        if id(m) in holders or id(m) in layer_ids:
+            return f"{path}.{rel} is {holders.get(id(m)) or layer_ids[id(m)]}"
+        for name, value in vars(m).items():
+            if name in _MODULE_STATE:
+                continue
+            for held in _plain_modules(value):
+                if id(held) in holders or (id(held) in others and id(held) not in own):
+                    where = f"{path}.{rel}.{name}" if rel else f"{path}.{name}"
+                    return f"{where} holds {holders.get(id(held)) or others[id(held)]}"
+    return None
+
+
 def mark_layers(model: nn.Module) -> list[str]:
     """Marks repeated numbered layers' forward as a nested compile region: the layer's class
     becomes a subclass of it whose ``forward`` is marked, one per class. (Marking the forward as
@@ -188,15 +243,17 @@ def mark_layers(model: nn.Module) -> list[str]:
     layer's weights, silently.) Per class, only the largest group of two or more layers with one
     ``layer_signature`` is marked: Dynamo's reuse guards were found to miss a submodule chosen
     per layer (an activation) and a hook on one layer's submodule, and the other layers are
-    traced as usual. Leaves alone a layer with a forward of its own (an instance attribute) or
-    one its author marked. Undoes an earlier call's marks first. Returns the marked paths."""
+    traced as usual. Leaves alone a layer with a forward of its own (an instance attribute), one
+    its author marked, and one that reaches another layer's state (:func:`back_reference`). Undoes an earlier call's marks first. Returns the marked paths."""
     unmark_layers(model)  # an earlier compile's marks: marked anew
     if not reuse_supported():
         return []
     groups: dict[type, dict[tuple, list[tuple[str, nn.Module]]]] = {}
-    for path, mod in numbered_layers(model):
+    layers = numbered_layers(model)
+    for path, mod in layers:
         cls = type(mod)
-        if "forward" in vars(mod) or hasattr(cls.forward, "__marked_compile_region_fn__"):
+        if "forward" in vars(mod) or hasattr(cls.forward, "__marked_compile_region_fn__") \
+                or back_reference(model, path, mod, layers) is not None:
             continue
         groups.setdefault(cls, {}).setdefault(layer_signature(mod), []).append((path, mod))
     marked = []

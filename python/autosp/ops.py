@@ -29,9 +29,15 @@ UNTAGGED_POINTWISE = frozenset({"floor_divide", "hardswish", "log_sigmoid", "fix
 
 #: Dynamo's graph nodes that set a mode: grad mode, and autocast's enter and exit.
 GRAD_MODE_SETTERS = frozenset({"_set_grad_enabled", "set_grad_enabled"})
-#: Every node that enters or leaves a mode (grad, autocast, inference mode).
-MODE_NODES = GRAD_MODE_SETTERS | {"_enter_autocast", "_exit_autocast", "_enter_inference_mode",
-                                  "_exit_inference_mode"}
+#: What changes the autocast in effect without entering or leaving one
+#: (``torch.set_autocast_dtype`` between two layers under one ``torch.autocast``; helper-51).
+AUTOCAST_SETTERS = frozenset({
+    "set_autocast_dtype", "set_autocast_enabled", "set_autocast_cpu_dtype",
+    "set_autocast_cpu_enabled", "set_autocast_gpu_dtype", "set_autocast_ipu_dtype",
+    "set_autocast_xla_dtype", "set_autocast_cache_enabled"})
+#: Every node that enters, leaves or changes a mode (grad, autocast, inference mode).
+MODE_NODES = GRAD_MODE_SETTERS | AUTOCAST_SETTERS | {
+    "_enter_autocast", "_exit_autocast", "_enter_inference_mode", "_exit_inference_mode"}
 
 
 def _packet(name: str) -> torch._ops.OpOverloadPacket | None:

@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autosp.bridge import writes_in_place
 from autosp.canon import target_name
-from autosp.ops import GRAD_MODE_SETTERS, is_random, may_alias_call
+from autosp.ops import AUTOCAST_SETTERS, GRAD_MODE_SETTERS, is_random, may_alias_call
 from autosp.remat_facts import _layer_of
 from autosp.remat_policy import MemoryBudget, Offload
 from autosp.remat_regions import ADMIT_KEY, CALLS_KEY, LAYER_KEY
@@ -291,10 +291,13 @@ def _gather(graph: fx.Graph, layer: str, members: list[fx.Node],
 
 def _contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
     """The autocast and grad mode each node runs under, from the graph's context nodes
-    (Dynamo's ``_enter_autocast``/``_exit_autocast`` and ``_set_grad_enabled``)."""
+    (Dynamo's ``_enter_autocast``/``_exit_autocast``, ``_set_grad_enabled``, and the autocast
+    setters such as ``set_autocast_dtype``: every call so far, so a node after one never shares
+    a mode with a node before it)."""
     state: dict[fx.Node, tuple] = {}
     stack: list[tuple] = []
     grad = None
+    setters: tuple = ()
     for n in graph.nodes:
         name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
         if name == "_enter_autocast":
@@ -303,7 +306,9 @@ def _contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
             stack.pop()
         elif name in GRAD_MODE_SETTERS:
             grad = repr(n.args)
-        state[n] = (tuple(stack), grad)
+        elif name in AUTOCAST_SETTERS:
+            setters += ((name, repr(n.args)),)
+        state[n] = (tuple(stack), grad, setters)
     return state
 
 

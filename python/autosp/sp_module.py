@@ -112,6 +112,7 @@ class SequenceParallelModule(nn.Module):
         self.traced_once: list[str] = []
         if getattr(sp_backend, "regions", False) and not shard.is_sharded(model):
             self.traced_once = dynamo_regions.mark_layers(model)
+        self._holders = dynamo_reuse.shared_modules(model, self.traced_once)
         if self.traced_once:
             sp_backend.layers_apart = functools.partial(dynamo_regions.marked_apart, model)
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
@@ -194,7 +195,8 @@ class SequenceParallelModule(nn.Module):
         try:
             # Layers traced once: Dynamo's reuse refused where the forward writes outer state
             # (autosp.dynamo_reuse).
-            reuse = dynamo_reuse.gated() if self.traced_once else contextlib.nullcontext()
+            reuse = (dynamo_reuse.gated(self._holders) if self.traced_once
+                     else contextlib.nullcontext())
             with torch._dynamo.config.patch(**patch), reuse:
                 if self._auto is not None:
                     from autosp.remat_auto import choose_for_call
