@@ -21,6 +21,12 @@ import torch
 
 from distributed import make_batch, run_ranks, tiny_config
 
+# regions=True is opt-in: its breaker rounds run with the slow tests
+# (`pytest -m "slow or not slow" tests/test_regions_*breakers.py`); the default suite keeps
+# its fast guards (test_dynamo_reuse, test_dynamo_regions, test_outline, test_regions_styles).
+pytestmark = pytest.mark.slow
+
+
 
 def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
     import autosp

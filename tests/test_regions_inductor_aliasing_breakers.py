@@ -51,6 +51,12 @@ import torch
 
 from distributed import make_batch, relative_grad_errors, run_ranks, step_against_reference
 
+# regions=True is opt-in: its breaker rounds run with the slow tests
+# (`pytest -m "slow or not slow" tests/test_regions_*breakers.py`); the default suite keeps
+# its fast guards (test_dynamo_reuse, test_dynamo_regions, test_outline, test_regions_styles).
+pytestmark = pytest.mark.slow
+
+
 
 class _SquareLayer(torch.nn.Module):
     """Token-local: x + MLP(r * r) with r = x unless given; its backward reads r, which the

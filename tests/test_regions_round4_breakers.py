@@ -60,6 +60,12 @@ from distributed import (assert_errors_within, make_batch, relative_grad_errors,
                          step_against_reference)
 from styles import GeluMLP, PreNormBlock, SimpleAttention
 
+# regions=True is opt-in: its breaker rounds run with the slow tests
+# (`pytest -m "slow or not slow" tests/test_regions_*breakers.py`); the default suite keeps
+# its fast guards (test_dynamo_reuse, test_dynamo_regions, test_outline, test_regions_styles).
+pytestmark = pytest.mark.slow
+
+
 VOCAB, HIDDEN = 128, 32
 
 

@@ -101,6 +101,12 @@ import torch.nn.functional as F
 from distributed import (assert_errors_within, exact_or_autosp_error, make_batch,
                          relative_grad_errors, run_ranks, step_against_reference)
 
+# regions=True is opt-in: its breaker rounds run with the slow tests
+# (`pytest -m "slow or not slow" tests/test_regions_*breakers.py`); the default suite keeps
+# its fast guards (test_dynamo_reuse, test_dynamo_regions, test_outline, test_regions_styles).
+pytestmark = pytest.mark.slow
+
+
 VOCAB, HIDDEN = 128, 32
 
 
