@@ -22,6 +22,7 @@ import os
 import pickle
 import queue as queue_lib
 import re
+import sys
 import tempfile
 import time
 import traceback
@@ -222,10 +223,16 @@ def _context() -> Any:
     nothing starts in 0.1 s against 4.5 s for spawned interpreters importing both anew, and
     the suite starts some 300. Where the platform has no fork server, spawn. The environment
     is handed to each rank (:func:`_rank_main`): the server's is the one it started with.
-    autosp reads its ``AUTOSP_*`` variables when called, not when imported."""
+    autosp reads its ``AUTOSP_*`` variables when called, not when imported; a variable torch
+    reads at import (``TORCH_LOGS``, ``TORCHDYNAMO_*``) is the server's, so a test that sets
+    one must set it inside the rank. The ranks share the server's string-hash seed, which
+    spawned ranks (and torchrun's) do not: ``AUTOSP_TEST_START=spawn`` starts them as before,
+    where a rank-dependent iteration order is the suspect. Linux only; spawn elsewhere."""
     global _CONTEXT
     if _CONTEXT is None:
-        if "forkserver" in mp.get_all_start_methods():
+        spawn = os.environ.get("AUTOSP_TEST_START", "") == "spawn"
+        if not spawn and sys.platform.startswith("linux") \
+                and "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
             _CONTEXT.set_forkserver_preload(["torch", "autosp"])
         else:

@@ -32,12 +32,22 @@ class _Sub(nn.Module):
         return self.lin(h if ctx is None else h + ctx) * getattr(self, "scale", 1.0)
 
 
+class _Ctx(nn.Module):
+    """A module the forward makes per call and hands a layer (``made_module_argument``)."""
+
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+
 class _Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.sub = _Sub()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: nn.Module | None = None) -> torch.Tensor:
+        if ctx is not None:
+            x = x * ctx.k
         g = _CTX.get("t")
         if g is not None:
             x = x * g
@@ -71,6 +81,11 @@ class _Model(nn.Module):
             if self.wiring == "autocast_one" and i == 1:
                 with torch.autocast("cpu", torch.bfloat16):
                     x = layer(x).float()
+            elif self.wiring == "autocast_checkpoint" and i == 3:  # the mode is the outer graph's
+                with torch.autocast("cpu", torch.bfloat16):
+                    x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).float()
+            elif self.wiring == "made_module_argument":
+                x = layer(x, _Ctx(float(i + 1)))
             else:
                 x = layer(x)
         _SCALE = 1.0
@@ -213,8 +228,9 @@ def _hits_and_out(wiring: str, gate: bool) -> tuple[int, torch.Tensor, torch.Ten
         torch._dynamo.reset()
         paths = dynamo_regions.mark_layers(model)
         shared = dynamo_reuse.shared_modules(model, paths)
-        assert {id(model), id(model.layers), id(model._buffers)} <= shared
-        assert not shared & {id(m) for layer in model.layers for m in layer.modules()}
+        ids = {id(o) for o in shared}
+        assert {id(model), id(model.layers), id(model._buffers)} <= ids
+        assert not ids & {id(m) for layer in model.layers for m in layer.modules()}
         invoke_subgraph.find_reuse_match = counting
         compiled = torch.compile(model, backend="eager", fullgraph=True)
         with dynamo_reuse.gated(shared) if gate else contextlib.nullcontext():
@@ -243,7 +259,7 @@ def test_reuse_is_kept_when_the_model_writes_its_own_attribute_before_the_layers
 
 
 @pytest.mark.parametrize("wiring", ["layer_number", "model_number_between", "model_tensor_read",
-                                    "autocast_one"])
+                                    "autocast_one", "made_module_argument"])
 def test_reuse_is_refused_where_a_layer_could_read_other_state(wiring: str) -> None:
     """Where a stamped-out layer would read other state than the first: a number stored on
     each layer before the first call (per-layer state, though stored before any call), a
@@ -260,3 +276,16 @@ def test_reuse_is_refused_where_a_layer_could_read_other_state(wiring: str) -> N
         assert "Freevar has no source" in str(e), e
     else:
         assert not torch.allclose(out, expected), hits
+
+
+def test_a_layer_checkpointed_under_an_outer_autocast_is_not_stamped_out() -> None:
+    """Layers 0-2 plain, layer 3 called through ``checkpoint`` under ``torch.autocast``: its
+    call is traced inside the checkpoint's body, whose graph has no mode node; the autocast
+    was entered in the graph outside it. Layers 1-2 are stamped out (2 hits), layer 3 is
+    traced, and the output is the eager one; ungated, layer 3 ran layer 0's fp32 branch
+    (reviewer helper-52)."""
+    hits, out, expected = _hits_and_out("autocast_checkpoint", gate=True)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert hits == 2
+    hits, out, _ = _hits_and_out("autocast_checkpoint", gate=False)
+    assert not torch.allclose(out, expected, rtol=2e-2, atol=2e-2), hits

@@ -53,7 +53,10 @@ def reuse_supported() -> bool:
         return False
     from torch._dynamo.variables import invoke_subgraph
 
-    return hasattr(invoke_subgraph, "is_reusable")
+    # What autosp.dynamo_reuse.gated patches and reads, too: without them it cannot refuse an
+    # unsafe reuse, so nothing is marked (reviewer helper-52).
+    return all(hasattr(invoke_subgraph, name) for name in
+               ("is_reusable", "find_reuse_match", "save_reuse_entry", "get_fn_code"))
 
 
 def numbered_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -208,7 +211,10 @@ def back_reference(model: nn.Module, path: str, layer: nn.Module,
     place of the first layer's wherever it occurs, so a layer that read layer 0's buffer
     through such a reference read its own (breaker helper-51: all gradients off, plain
     ``nested_compile_region`` alike). A submodule shared by registration (the same module
-    registered in every layer) is left alone: its source names the same object in each."""
+    registered in every layer) is left alone: its source names the same object in each. Not
+    seen: a reference through a global, a weakref, a bound method, a ``functools.partial``,
+    a closure, ``__slots__``, a class attribute, or handed to the call as an argument
+    (reviewer helper-52; the global is a strict xfail in tests/test_regions_round8_breakers.py)."""
     holders = {id(model): "the model"}
     for p, _ in layers:
         parts = p.split(".")

@@ -122,9 +122,28 @@ def written_state(tx: Any, shared: frozenset[int] = frozenset()) -> tuple[Any, .
         sources.add(var.source)
     if any(s not in sources for s in effects.mutated_sources):
         return None
-    modes = tuple(n for n in tx.output.graph.nodes
-                  if n.op == "call_function" and getattr(n.target, "__name__", "") in MODE_NODES)
-    return (tuple(stores), modes)
+    # The mode nodes of the current graph and of every graph it is traced inside (a layer
+    # called in a checkpoint's body under an autocast entered outside it; reviewer helper-52),
+    # and the tracer itself: a trace kept in one graph is not stamped out into another.
+    tracer = tx.output.current_tracer
+    modes: list[Any] = [tracer]
+    while tracer is not None:
+        modes += [n for n in tracer.graph.nodes if n.op == "call_function"
+                  and getattr(n.target, "__name__", "") in MODE_NODES]
+        tracer = tracer.parent
+    return (tuple(stores), tuple(modes))
+
+
+def _made_module_argument(fingerprint: Any) -> bool:
+    """Whether a region call is handed a module the calling trace made (``layer(x, Ctx(k))``):
+    Dynamo's reuse condition tags a module argument as a module, with nothing about what it
+    holds, so layer 0's ``k`` was baked into every layer (reviewer helper-52). Also True for a
+    fingerprint this does not know."""
+    flat = getattr(fingerprint, "flat_vts", None)
+    if flat is None:
+        return True
+    return any(getattr(tag, "name", "") == "MODULE" and getattr(vt, "source", None) is None
+               for tag, vt in flat)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -134,12 +153,14 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (isinstance(a, str) and a == b)
 
 
-def shared_modules(model: Any, layer_paths: Sequence[str]) -> frozenset[int]:
-    """The ids of the modules that hold every marked layer (``layer_paths``, as
+def shared_modules(model: Any, layer_paths: Sequence[str]) -> tuple[Any, ...]:
+    """The modules that hold every marked layer (``layer_paths``, as
     ``dynamo_regions.mark_layers`` returns them), and of their ``_buffers`` dicts and
     ``_non_persistent_buffers_set`` sets (where storing a registered buffer writes): the model,
     and the containers on the way to the layers that they all share. A module inside a layer
-    (one shared by every layer, a rotary table, included) is left out."""
+    (one shared by every layer, a rotary table, included) is left out. :func:`gated` holds
+    them, so their ids stay theirs while it runs (a module swapped out after the compile is
+    not mistaken for one of these)."""
     common: set[int] | None = None
     for path in layer_paths:
         parts = path.split(".")[:-1]
@@ -148,16 +169,16 @@ def shared_modules(model: Any, layer_paths: Sequence[str]) -> frozenset[int]:
         common = holders if common is None else common & holders
     inside = {id(m) for path in layer_paths for m in model.get_submodule(path).modules()}
     holders = [m for m in model.modules() if id(m) in (common or set()) - inside]
-    return frozenset(id(o) for m in holders
-                     for o in (m, m._buffers, getattr(m, "_non_persistent_buffers_set", m)))
+    return tuple(o for m in holders
+                 for o in (m, m._buffers, getattr(m, "_non_persistent_buffers_set", m)))
 
 
 @contextlib.contextmanager
-def gated(shared: frozenset[int] = frozenset()) -> Iterator[None]:
+def gated(holders: tuple[Any, ...] = ()) -> Iterator[None]:
     """Dynamo's region reuse, refused where a stamped-out call could read other state than the
     first call did (see the module). Patches ``find_reuse_match`` and ``save_reuse_entry`` in
-    ``torch._dynamo.variables.invoke_subgraph`` for the duration, when they exist. ``shared``:
-    :func:`shared_modules` of the model being traced.
+    ``torch._dynamo.variables.invoke_subgraph`` for the duration (autosp.dynamo_regions marks
+    no layer on a Dynamo without them). ``holders``: :func:`shared_modules` of the model.
 
     A trace is kept for reuse only where :func:`written_state` is not None, and stamped out
     only where the state is what it was when the trace was kept (the same tolerated stores,
@@ -174,12 +195,15 @@ def gated(shared: frozenset[int] = frozenset()) -> Iterator[None]:
     if find is None or save is None:
         yield
         return
+    shared = frozenset(id(o) for o in holders)
     kept: dict[int, tuple[Any, dict[Any, Any]]] = {}  # id(OutputGraph) -> (it, {code: state})
 
-    def state(tx: Any) -> tuple[Any, ...] | None:
+    def state(tx: Any, fingerprint: Any) -> tuple[Any, ...] | None:
         try:
+            if _made_module_argument(fingerprint):
+                return None
             return written_state(tx, shared)
-        except AttributeError:  # a Dynamo whose side-effect record this does not know: no reuse
+        except (AttributeError, ImportError, TypeError):  # a Dynamo this does not know: no reuse
             return None
 
     def key(tx: Any, fn_var: Any) -> tuple[dict[Any, Any], Any]:
@@ -188,14 +212,14 @@ def gated(shared: frozenset[int] = frozenset()) -> Iterator[None]:
         return states, code
 
     def gated_find(tx: Any, fn_var: Any, *args: Any, **kwargs: Any) -> Any:
-        now = state(tx)
+        now = state(tx, args[0] if args else kwargs.get("fingerprint"))
         states, code = key(tx, fn_var)
         if now is None or code is None or code not in states or not _same(states[code], now):
             return None
         return find(tx, fn_var, *args, **kwargs)
 
     def gated_save(tx: Any, fn_var: Any, *args: Any, **kwargs: Any) -> Any:
-        now = state(tx)
+        now = state(tx, args[0] if args else kwargs.get("fingerprint"))
         states, code = key(tx, fn_var)
         if now is None or code is None or (code in states and not _same(states[code], now)):
             return None
