@@ -73,6 +73,8 @@ import torch.nn.functional as F
 
 from autosp import dynamo_regions
 from distributed import assert_errors_within, make_batch, run_ranks
+from test_outline import _count_reuse_hits
+from test_regions_round7_breakers import _errors
 
 pytestmark = pytest.mark.skipif(not dynamo_regions.reuse_supported(),
                                 reason="this PyTorch's Dynamo does not reuse a traced region")
@@ -163,18 +165,6 @@ class _Model(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-def _errors(model: nn.Module, ref: nn.Module) -> dict[str, float]:
-    out = {}
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if q.grad is None:
-            out[name] = 0.0 if p.grad is None or not p.grad.abs().max() > 0 else float("inf")
-        elif p.grad is None:
-            out[name] = float("inf")
-        else:
-            out[name] = float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
-    return out
-
-
 def _old_gate() -> Any:
     """autosp.dynamo_reuse.gated as it was before this change (e3000c6): no reuse at all once the
     calling trace wrote any outer state or entered any mode."""
@@ -189,7 +179,6 @@ def _old_gate() -> Any:
 def _worker(rank: int, world: int, wiring: str, opts: dict[str, Any]) -> dict[str, Any]:
     import autosp
     from autosp import dynamo_reuse
-    from torch._dynamo.variables import invoke_subgraph
 
     gate = opts.get("gate", "new")
     if opts.get("mark", True) is False:  # Dynamo traces every layer; autosp.outline still runs
@@ -200,15 +189,7 @@ def _worker(rank: int, world: int, wiring: str, opts: dict[str, Any]) -> dict[st
         dynamo_reuse.gated = lambda *a, **k: contextlib.nullcontext()
     elif gate == "old":
         dynamo_reuse.gated = _old_gate()
-    hits = [0]
-    find = invoke_subgraph.find_reuse_match
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        match = find(*args, **kwargs)
-        hits[0] += match is not None
-        return match
-
-    invoke_subgraph.find_reuse_match = counting
+    hits = _count_reuse_hits()
     torch.manual_seed(0)
     model = opts.get("factory", _Model)(wiring)
     ref = copy.deepcopy(model)
