@@ -104,6 +104,11 @@ def _marked_forward(forward: Callable) -> Callable:
 
     @functools.wraps(forward)
     def marked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._len_torch_function_stack() > 0:
+            # A TorchFunctionMode entered around the call: Dynamo drops it inside a region's
+            # body, reused or not (breaker helper-53: a mode doubling tanh around layer 2 was
+            # lost, silently). The call runs inline.
+            return forward(self, *args, **kwargs)
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
         if any(a is b for i, a in enumerate(tensors) for b in tensors[i + 1:]) or any(
