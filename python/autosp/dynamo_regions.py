@@ -23,7 +23,7 @@ import functools
 import importlib.util
 import operator
 import re
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from autosp.bridge import REGION_SELF, _input_name, dotted_path, module_path
 from autosp.errors import AutospError
+from autosp.layer_alike import back_reference, layer_signature
 from autosp.remat_facts import layer_of_path
 
 _MARK = "_autosp_marked_from"
@@ -129,122 +130,6 @@ def _marked_class(cls: type) -> type:
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, _MARK: cls})
         _MARKED[cls] = sub
     return sub
-
-
-#: What every nn.Module has in its __dict__ (registries, hook dicts), left out of a signature
-#: except the hooks and the training flag, which it takes separately.
-_MODULE_STATE = frozenset(vars(nn.Module()))
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
-
-
-def _attr_signature(value: Any, depth: int = 0) -> Any:
-    """A plain attribute's part of a signature: None for values Dynamo's reuse guards check
-    (numbers, strings, flags: found guarded, each differing layer traced anew); a tensor's
-    metadata; a function's name (and identity, for a closure); a module held outside the
-    registered submodules (in a dict, on a plain object) by its own signature."""
-    if depth > 3:
-        return None
-    if isinstance(value, nn.Module):
-        return ("module", layer_signature(value, depth + 1))
-    if isinstance(value, (tuple, list)):
-        parts = tuple(_attr_signature(v, depth + 1) for v in value)
-        return parts if any(p is not None for p in parts) else None
-    if isinstance(value, dict):
-        parts = tuple((repr(k), _attr_signature(v, depth + 1)) for k, v in value.items())
-        return parts if any(p[1] is not None for p in parts) else None
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape), value.requires_grad)
-    if isinstance(value, type):
-        return None
-    if callable(value):  # a function chosen per layer
-        closure = getattr(value, "__closure__", None)
-        return ("callable", getattr(value, "__module__", ""),
-                getattr(value, "__qualname__", type(value).__qualname__),
-                id(value) if closure else 0)
-    fields = getattr(value, "__dict__", None)
-    if isinstance(fields, dict):  # a plain object: what it holds
-        parts = tuple(sorted((k, a) for k, v in fields.items()
-                             if (a := _attr_signature(v, depth + 1)) is not None))
-        return (type(value).__qualname__, parts) if parts else None
-    return None
-
-
-def layer_signature(layer: nn.Module, depth: int = 0) -> tuple:
-    """What tells two layers of one class apart beyond their weights' values and what torch
-    2.13's reuse guards check (numbers, strings, flags): found missed, a submodule's class and a
-    hook on it. Per submodule, its path, class, hooks (by identity), training flag, tensor and
-    function attributes; per parameter and buffer, its shape, dtype and requires_grad."""
-    out = []
-    for rel, m in layer.named_modules():
-        hooks = tuple(tuple(id(h) for h in getattr(m, name, {}).values()) for name in _HOOKS)
-        attrs = tuple(sorted((k, a) for k, v in vars(m).items()
-                             if k not in _MODULE_STATE
-                             and (a := _attr_signature(v, depth)) is not None))
-        tensors = tuple((k, t.dtype, tuple(t.shape), t.requires_grad)
-                        for k, t in list(m._parameters.items()) + list(m._buffers.items())
-                        if t is not None)
-        out.append((rel, type(m).__qualname__, type(m).__module__, m.training, hooks, attrs,
-                    tensors))
-    return tuple(out)
-
-
-def _plain_modules(value: Any, depth: int = 0) -> Iterator[nn.Module]:
-    """The modules a plain attribute holds (itself, or in lists, tuples, dicts and plain
-    objects, three levels deep)."""
-    if depth > 3:
-        return
-    if isinstance(value, nn.Module):
-        yield value
-    elif isinstance(value, (tuple, list, set, frozenset)):
-        for v in value:
-            yield from _plain_modules(v, depth + 1)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _plain_modules(v, depth + 1)
-    elif not isinstance(value, (torch.Tensor, type)) and isinstance(getattr(value, "__dict__", None), dict):
-        for v in vars(value).values():
-            yield from _plain_modules(v, depth + 1)
-
-
-def back_reference(model: nn.Module, path: str, layer: nn.Module,
-                   layers: list[tuple[str, nn.Module]]) -> str | None:
-    """Why ``layer`` (at ``path``) reaches another layer's state, or None: it holds the model,
-    a module on the way to the layers or another layer as a submodule, or holds one of those
-    or a part of another layer in a plain attribute (``self._root = [model]``, ``self._first =
-    [layers[0]]``). Dynamo stamps a layer's trace out by putting the new layer's source in
-    place of the first layer's wherever it occurs, so a layer that read layer 0's buffer
-    through such a reference read its own (breaker helper-51: all gradients off, plain
-    ``nested_compile_region`` alike). A submodule shared by registration (the same module
-    registered in every layer) is left alone: its source names the same object in each. Not
-    seen: a reference through a global, a weakref, a bound method, a ``functools.partial``,
-    a closure, ``__slots__``, a class attribute, or handed to the call as an argument
-    (reviewer helper-52; the global is a strict xfail in tests/test_regions_round8_breakers.py)."""
-    holders = {id(model): "the model"}
-    for p, _ in layers:
-        parts = p.split(".")
-        for i in range(1, len(parts)):
-            holders.setdefault(id(model.get_submodule(".".join(parts[:i]))), ".".join(parts[:i]))
-    own = {id(m) for m in layer.modules()}
-    others: dict[int, str] = {}
-    for p, other in layers:
-        if other is not layer:
-            others.setdefault(id(other), p)
-            for rel, m in other.named_modules():
-                if id(m) not in own:
-                    others.setdefault(id(m), f"{p}.{rel}" if rel else p)
-    layer_ids = {id(other): p for p, other in layers if other is not layer}
-    for rel, m in layer.named_modules():
-        if id(m) in holders or id(m) in layer_ids:
-            return f"{path}.{rel} is {holders.get(id(m)) or layer_ids[id(m)]}"
-        for name, value in vars(m).items():
-            if name in _MODULE_STATE:
-                continue
-            for held in _plain_modules(value):
-                if id(held) in holders or (id(held) in others and id(held) not in own):
-                    where = f"{path}.{rel}.{name}" if rel else f"{path}.{name}"
-                    return f"{where} holds {holders.get(id(held)) or others[id(held)]}"
-    return None
 
 
 def mark_layers(model: nn.Module) -> list[str]:
