@@ -72,3 +72,115 @@ def reorder_like_autograd(gm: fx.GraphModule) -> fx.GraphModule:
     graph._graph_namespace = namespace
     gm.recompile()
     return gm
+
+
+class _NotSimple(Exception):
+    """An argument whose equality PyTorch's CSE decides through pytree in a way not mirrored
+    here (a raw symbolic value, a namedtuple, an unregistered container)."""
+
+
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+           torch.memory_format, torch.Size, type(Ellipsis))
+
+
+def _cse_key(arg: object) -> object:
+    """A hashable key equal for two arguments exactly when PyTorch's ``fx_graph_cse`` finds them
+    equal: the flattened leaves (each with its type, so ``1`` and ``1.0`` differ) and the
+    containers' types. A node is itself: its duplicates were already replaced."""
+    t = type(arg)
+    if t is fx.Node:
+        return arg
+    if t is tuple or t is list or t is fx.immutable_collections.immutable_list:
+        return (t, tuple(_cse_key(a) for a in arg))  # type: ignore[union-attr]
+    if t is dict or t is fx.immutable_collections.immutable_dict:
+        return (t, tuple((k, _cse_key(v)) for k, v in arg.items()))  # type: ignore[union-attr]
+    if t in _LEAVES:
+        return (t, arg)
+    if isinstance(arg, torch._ops.OpOverload):
+        return (t, arg)
+    raise _NotSimple
+
+
+def cse_in_place(gm: fx.GraphModule) -> bool:
+    """PyTorch's ``fx_graph_cse`` done in place: the same nodes removed (a node that repeats an
+    earlier one's target and arguments, in the same mutation region, unless it is random,
+    ``aten.empty``, aliases an output or binds an unbacked symbol) and every use of it moved to
+    the earlier one. The graph keeps its order and names, and gets the namespace a fresh copy
+    would have. Returns False, changing nothing, where an argument is of a kind this mirror
+    does not handle (the caller then uses PyTorch's copy)."""
+    import sympy
+    from torch._functorch.compile_utils import get_aten_target, rand_ops
+    from torch._inductor.pattern_matcher import compute_mutation_region_ids, same_mutation_regions
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.fx.graph import _Namespace
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    if output.op != "output":
+        return False
+
+    def storage(n: fx.Node) -> object:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        try:
+            return StorageWeakRef(val.untyped_storage())
+        except NotImplementedError:
+            return None
+
+    # The keys first: nothing changes unless every argument is mirrored.
+    skip_targets = (*rand_ops, torch.ops.aten.empty)
+    candidates = []
+    for n in nodes:
+        if n.op != "call_function" or get_aten_target(n) in skip_targets:
+            continue
+        val = n.meta.get("val")
+        if isinstance(val, sympy.Symbol) and free_unbacked_symbols(val):
+            continue
+        try:
+            _cse_key(n.args), _cse_key(n.kwargs)
+        except _NotSimple:
+            return False
+        candidates.append(n)
+    outputs = {s for s in map(storage, output.all_input_nodes) if s is not None}
+    if outputs:
+        candidates = [n for n in candidates if storage(n) not in outputs]
+
+    compute_mutation_region_ids(graph)  # type: ignore[arg-type]
+    seen: dict[object, fx.Node] = {}
+    erased = False
+    for n in candidates:
+        key = (n.target, _cse_key(n.args), _cse_key(n.kwargs))
+        prev = seen.get(key)
+        if prev is not None and same_mutation_regions(n, prev):
+            n.replace_all_uses_with(prev)
+            graph.erase_node(n)
+            erased = True
+            continue
+        seen[key] = n
+    if erased:
+        namespace = _Namespace()
+        for node in graph.nodes:
+            namespace.associate_name_with_obj(namespace.create_name(node.name, None), node)
+        graph._graph_namespace = namespace
+        gm.recompile()
+    return True
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``Graph.eliminate_dead_code`` asking whether a node is impure only of nodes no node uses
+    (FX asks it of every node, and ``is_impure`` reads the op's schema and effects each time).
+    A graph that reads attributes (subgraphs, which FX's also cleans) goes to FX's."""
+    if graph.find_nodes(op="get_attr"):
+        return graph.eliminate_dead_code()
+    impure_random = True
+    if torch._guards.TracingContext.try_get():
+        impure_random = torch._inductor.config.fallback_random
+    changed = False
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure(impure_random):
+            graph.erase_node(node)
+            changed = True
+    return changed

@@ -15,7 +15,8 @@ import torch.fx as fx
 from autosp import _core, remat_regions
 from autosp.errors import AutospError
 from autosp.remat_facts import _partitioners, gather_facts
-from autosp.remat_graphs import reorder_like_autograd
+from autosp.remat_extract import fast_extraction
+from autosp.remat_graphs import cse_in_place, eliminate_dead_code, reorder_like_autograd
 from autosp.remat_policy import (DEFAULT_RECOMPUTE_FLOPS_RATIO, GraphRematReport, LayerRemat, NodeRemat,
                                  RematPolicy, RematReport, _core_options, _policy_name)
 from autosp.remat_regions import RegionChoices
@@ -48,8 +49,10 @@ def _partition(
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     # As Dynamo and Inductor run AOTAutograd (and so PyTorch's partitioner): the modules built
-    # here generate their Python code when it is first needed, not at every step.
-    with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+    # here generate their Python code when it is first needed, not at every step. PyTorch's
+    # helpers extract subgraphs without copying what they would then remove
+    # (autosp.remat_extract).
+    with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module), fast_extraction():
         return _partition_graphs(
             joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, policy=policy,
@@ -76,11 +79,11 @@ def _partition_graphs(
 
     # The same preparation as min_cut_rematerialization_partition, so the flow network is built
     # on the same graph PyTorch's partitioner would see. The joint module's code is regenerated
-    # only where its graph changed; the CSE'd graph gets a module of its own (lazy: its code is
-    # never run), not the joint's.
-    if joint_module.graph.eliminate_dead_code():
+    # only where its graph changed, and the CSE is done in place (autosp.remat_graphs) rather
+    # than by copying every node.
+    if eliminate_dead_code(joint_module.graph):
         joint_module.recompile()
-    if functorch_config.cse:
+    if functorch_config.cse and not cse_in_place(joint_module):
         joint_module = _make_graph_module(joint_module, fx_graph_cse(joint_module.graph))
     joint_graph = joint_module.graph
 

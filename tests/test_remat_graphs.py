@@ -1,0 +1,266 @@
+"""autosp's partition function gives PyTorch's graphs without PyTorch's copies: the in-place CSE
+and dead-code elimination (autosp.remat_graphs) and the subgraph extraction that copies only
+what it keeps (autosp.remat_extract). Each is compared with PyTorch's own on joint graphs of
+several kinds of model: same code, node names, metadata and namespace."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.compile_utils import fx_graph_cse
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _make_graph_module
+
+import autosp.remat as remat
+import autosp.remat_extract as remat_extract
+import autosp.remat_partition as remat_partition
+from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+from autosp.remat_graphs import cse_in_place, eliminate_dead_code
+
+
+class Repeats(nn.Module):
+    """Work CSE removes (the same matmul and sine twice), random draws it must keep apart, an
+    output that aliases a value, and a buffer written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.sin(x @ self.w)
+        b = torch.sin(x @ self.w)
+        d = F.dropout(a, 0.5) + F.dropout(a, 0.5)
+        self.steps.add_(1)
+        y = (a + b + d) * torch.sin(x @ self.w.t().t())
+        return y.sum() + self.steps, a.view(-1)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + x
+
+
+class Regions(nn.Module):
+    """Layers compiled once (invoke_subgraph): the joint graph reads its subgraphs by get_attr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+class Asserts(nn.Module):
+    """A size read from the data (an unbacked symbol): the joint graph asserts on it, nodes that
+    nothing uses but that no elimination may remove."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = (x > 0).sum().item()
+        torch._check(n >= 0)
+        torch._check(n <= x.numel())
+        return (x @ self.w).sin().sum() * n
+
+
+def _llama() -> tuple[nn.Module, tuple, bool]:
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=86, num_layers=2,
+                      num_heads=2, num_kv_heads=2)
+    ids = torch.randint(0, 64, (1, 64))
+    return LlamaForCausalLM(cfg), (ids, ids), False
+
+
+MODELS = {
+    "llama": _llama,
+    "llama-dynamic": lambda: (*_llama()[:2], True),
+    "asserts": lambda: (Asserts(), (torch.randn(4, 8, requires_grad=True),), False),
+    "repeats": lambda: (Repeats(), (torch.randn(4, 16, requires_grad=True),), False),
+    "regions": lambda: (Regions(), (torch.randn(4, 16, requires_grad=True),), False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _joints(name: str) -> list[tuple[fx.GraphModule, object, dict]]:
+    """The joint graphs AOTAutograd hands a partition function for MODELS[name] (each test
+    works on copies)."""
+    torch.manual_seed(0)
+    model, inputs, dynamic = MODELS[name]()
+    joints = []
+
+    def capture(joint, joint_inputs, **kwargs):
+        joints.append((fx.GraphModule(joint, joint.graph.__deepcopy__()), joint_inputs, kwargs))
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=capture)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
+    (out[0] if isinstance(out, tuple) else out).backward()
+    assert joints, name
+    return joints
+
+
+def _copy(joint: fx.GraphModule) -> fx.GraphModule:
+    return fx.GraphModule(joint, joint.graph.__deepcopy__())
+
+
+def _described(gm: fx.GraphModule, code: bool = True) -> tuple:
+    """The module's code (``code``: the joint graph's CSE'd in place keeps its pytree calling
+    convention, unlike PyTorch's copy, but no code of it is run) and, node by node, what FX
+    prints, the metadata's keys, and the namespace nodes added later take their names from."""
+    namespace = gm.graph._graph_namespace
+    nodes = [(n.format_node(), type(n.kwargs), sorted(n.meta)) for n in gm.graph.nodes]
+    output = gm.graph.output_node()
+    order = [[n.name for n in gm.graph.find_nodes(op=op, sort=False)]
+             for op in ("placeholder", "get_attr")]
+    return (gm.code if code else None, nodes, order, sorted(namespace._used_names),
+            dict(namespace._base_count), sorted(output.meta), repr(output.meta.get("desc")))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cse_and_dead_code_in_place_match_pytorch(name: str) -> None:
+    removed = 0
+    for joint, _, _ in _joints(name):
+        theirs = _copy(joint)
+        theirs.graph.eliminate_dead_code()
+        theirs = _make_graph_module(theirs, fx_graph_cse(theirs.graph))
+        ours = _copy(joint)
+        eliminate_dead_code(ours.graph)
+        assert cse_in_place(ours)
+        assert _described(ours, code=False) == _described(theirs, code=False)
+        removed += len(joint.graph.nodes) - len(ours.graph.nodes)
+    if name == "repeats":  # the in-place removal itself was exercised
+        assert removed >= 3, removed
+    if name == "asserts":  # and nodes no one uses that must stay
+        assert any(n.target is torch.ops.aten._assert_scalar.default and not n.users
+                   for n in ours.graph.nodes)
+
+
+def test_dead_code_keeps_what_fx_keeps() -> None:
+    """Dead pure nodes go; a dead random draw, in-place write and print stay, as in FX's."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    unused = graph.placeholder("unused")
+    graph.call_function(torch.ops.aten.sin.default, (x,))
+    graph.call_function(torch.ops.aten.rand_like.default, (x,))
+    graph.call_function(torch.ops.aten.add_.Tensor, (unused, x))
+    dead = graph.call_function(torch.ops.aten.cos.default, (x,))
+    graph.call_function(torch.ops.aten.neg.default, (dead,))
+    graph.call_function(torch.ops.aten._print.default, ("hi",))
+    graph.output(graph.call_function(torch.ops.aten.mul.Tensor, (x, x)))
+    theirs = graph.__deepcopy__()
+    assert theirs.eliminate_dead_code() is True
+    assert eliminate_dead_code(graph) is True
+    assert [n.format_node() for n in graph.nodes] == [n.format_node() for n in theirs.nodes]
+    assert {str(n.target) for n in graph.nodes} >= {"aten.rand_like.default", "aten.add_.Tensor",
+                                                     "aten._print.default"}
+    assert eliminate_dead_code(graph) is False
+
+
+def test_cse_leaves_a_graph_it_does_not_mirror_alone() -> None:
+    """An argument of a kind the in-place CSE does not mirror (here a slice): it changes nothing
+    and says so, and the partition function runs PyTorch's CSE."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(operator.getitem, (x, slice(0, 2)))
+    b = graph.call_function(operator.getitem, (x, slice(0, 2)))
+    graph.output((a, b))
+    gm = fx.GraphModule(nn.Module(), graph)
+    before = gm.code
+    assert cse_in_place(gm) is False
+    assert gm.code == before and len(graph.nodes) == 4
+
+
+def _partition(joint, joint_inputs, kwargs, policy, fast: bool):
+    context = remat_extract.fast_extraction if fast else contextlib.nullcontext
+    original = remat_partition.fast_extraction
+    remat_partition.fast_extraction = context
+    try:
+        return remat.make_partition_fn(policy)(_copy(joint), joint_inputs, **kwargs)
+    finally:
+        remat_partition.fast_extraction = original
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_extraction_matches_pytorch(name: str, monkeypatch) -> None:
+    """The forward and backward graphs are PyTorch's (its _extract_graph_with_inputs_outputs,
+    copying every node it can compute, then eliminating the dead ones), under three policies."""
+    from torch._functorch import partitioners
+
+    mirrored = tuple(inspect.signature(
+        partitioners._extract_graph_with_inputs_outputs).parameters) == remat_extract._MIRRORED
+    calls = []
+    extract = remat_extract._extract
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return extract(*args, **kwargs)
+
+    monkeypatch.setattr(remat_extract, "_extract", counted)
+    again = []
+    built_before = remat_extract._built_before
+
+    def counted_again(*args, **kwargs):
+        graph = built_before(*args, **kwargs)
+        again.append(graph is not None)
+        return graph
+
+    monkeypatch.setattr(remat_extract, "_built_before", counted_again)
+    for joint, joint_inputs, kwargs in _joints(name):
+        for policy in ("default", "sequence-aware", "none"):
+            ours = _partition(joint, joint_inputs, kwargs, policy, fast=True)
+            theirs = _partition(joint, joint_inputs, kwargs, policy, fast=False)
+            for a, b in zip(ours, theirs):
+                assert _described(a) == _described(b), (name, policy)
+    # Where torch has the function it mirrors, the fast path ran (torch 2.13), and the second
+    # backward extraction was the first one's graph rearranged.
+    assert bool(calls) == mirrored
+    assert any(again) == mirrored
+    assert partitioners._extract_graph_with_inputs_outputs.__name__ == \
+        "_extract_graph_with_inputs_outputs"  # put back after each partition
+
+
+def test_a_second_extraction_with_the_inputs_reordered_matches_pytorch() -> None:
+    """PyTorch's second backward extraction may take the same inputs in another order (symbolic
+    sizes that bind a symbol first, tensors saved without a version check last): the first
+    graph handed back rearranged is then the graph PyTorch builds for that order."""
+    from torch._functorch import partitioners
+
+    original = partitioners._extract_graph_with_inputs_outputs
+    if tuple(inspect.signature(original).parameters) != remat_extract._MIRRORED:
+        pytest.skip("torch's extraction is not the one autosp.remat_extract mirrors")
+    joint, _, kwargs = _joints("llama-dynamic")[0]
+    joint = _copy(joint)
+    inputs = joint.graph.find_nodes(op="placeholder")
+    output = joint.graph.output_node()
+    outputs = list(output.args[0])
+    descs = output.meta.get("desc", [None] * len(outputs))
+    reordered = inputs[::2] + inputs[1::2]
+    with remat_extract.fast_extraction():
+        extract = partitioners._extract_graph_with_inputs_outputs
+        first = extract(joint.graph, inputs, outputs, descs, "backward", True)
+        second = extract(joint.graph, reordered, outputs, descs, "backward", True)
+    assert second is first  # handed back, rearranged
+    theirs = original(joint.graph, reordered, outputs, descs, "backward", True)
+    assert _described(fx.GraphModule(joint, second)) == _described(fx.GraphModule(joint, theirs))
