@@ -49,8 +49,10 @@ and ask what it did::
     print(report)          # per layer: saved and recomputed values, bytes and FLOPs
 
 Modules: ``autosp.remat_policy`` (policies, MemoryBudget, reports, the solver's options),
-``autosp.remat_facts`` (facts about the joint graph), ``autosp.remat_partition`` (the
-partition function), and this one (the partitioner in Inductor's hook, and the backend).
+``autosp.remat_facts`` and ``autosp.remat_flops`` (facts about the joint graph),
+``autosp.remat_partition`` (the partition function; ``autosp.remat_graphs`` and
+``autosp.remat_extract`` build its graphs as PyTorch's helpers would, without their copies), and
+this one (the partitioner in Inductor's hook, and the backend).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ import torch.fx as fx
 
 from autosp.compile_cache import load_reports, marked_cacheable, report_key, save_reports, source_hash
 from autosp.errors import AutospError
-from autosp.remat_facts import SizeFn, gather_facts, node_flops
+from autosp.remat_facts import gather_facts
+from autosp.remat_flops import SizeFn, node_flops
 from autosp.remat_partition import make_partition_fn
 from autosp.remat_policy import (AUTO, BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, Auto,
                                  GraphRematReport, MemoryBudget, Offload, RematPolicy, RematReport,

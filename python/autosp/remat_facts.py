@@ -1,19 +1,20 @@
 """Facts about a joint forward+backward graph for the remat solver: each node's kind (PyTorch's
-op types), FLOPs, bytes at the real sequence length, save cost and decoder layer
-(``gather_facts``). Re-exported by ``autosp.remat``; the collective namespaces are shared with
+op types), FLOPs (``autosp.remat_flops``), bytes at the real sequence length, save cost and
+decoder layer (``gather_facts``). Re-exported by ``autosp.remat``; the collective namespaces are shared with
 ``autosp.plan_memory_graph``."""
 
 from __future__ import annotations
 
 import operator
-import re
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from autosp import _core
 from autosp.ops import ALIASING_WITHOUT_SCHEMA
+from autosp.remat_flops import _ATTENTION_NAME, _hint, node_flops
+
 
 def _partitioners():
     from torch._functorch import partitioners
@@ -22,7 +23,6 @@ def _partitioners():
 
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-_ATTENTION_NAME = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention")
 
 
 def _op_name(node: fx.Node) -> str:
@@ -32,76 +32,6 @@ def _op_name(node: fx.Node) -> str:
     if isinstance(target, str):
         return target
     return getattr(target, "__name__", str(target))
-
-
-def _hint(x: Any) -> int:
-    if isinstance(x, torch.SymInt):
-        from torch.fx.experimental import symbolic_shapes
-
-        # optimization_hint (2.12 and later), else size_hint (2.11): both put 4096 in for each
-        # data-dependent symbol of a size that mixes them with known ones (2*u0 + s0).
-        for name in ("optimization_hint", "size_hint"):
-            fn = getattr(symbolic_shapes, name, None)
-            if fn is not None:
-                return int(fn(x, fallback=4096))
-        hint = x.node.hint
-        return int(hint) if hint is not None else 4096
-    return int(x)
-
-
-#: Concrete value of a (possibly symbolic) size: the trace's hint by default.
-SizeFn = Callable[[Any], int]
-
-
-def _hinted_meta(x: Any, size: SizeFn = _hint) -> Any:
-    """A meta tensor with the concrete shape of a fake tensor (each size through `size`), so
-    FLOP formulas evaluate at a real sequence length without adding guards."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty([size(s) for s in x.shape], dtype=x.dtype, device="meta")
-    return x
-
-
-def _attention_flops(node: fx.Node, name: str, size: SizeFn = _hint) -> float:
-    """4*b*h*Sq*Sk*d for the forward (QK^T and PV), 10*b*h*Sq*Sk*d for the backward (five
-    matmuls), the convention of torch.utils.flop_counter's SDPA formulas."""
-    tensors = [
-        a.meta["val"]
-        for a in node.args
-        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-    ]
-    backward = "backward" in name
-    q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
-    if q.dim() != 4 or k.dim() != 4:
-        return 0.0
-    b, h, sq, d = (size(s) for s in q.shape)
-    sk = size(k.shape[-2])
-    return float((10 if backward else 4) * b * h * sq * sk * d)
-
-
-def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> float:
-    """FLOPs of one joint-graph node (PyTorch's FLOP formulas; attention by its own formula),
-    with symbolic sizes evaluated by `size` (default: the trace's hint). The planner passes a
-    `size` that evaluates S at another length."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return 0.0
-    from torch.utils._pytree import tree_map
-    from torch.utils.flop_counter import flop_registry
-
-    formula = flop_registry.get(node.target.overloadpacket)
-    if formula is None:
-        if kind == _core.RematOpKind.ATTENTION:
-            return _attention_flops(node, name, size)
-        return 0.0
-
-    def value(a: Any) -> Any:
-        return _hinted_meta(a.meta.get("val"), size) if isinstance(a, fx.Node) else a
-
-    args, kwargs = tree_map(value, (node.args, node.kwargs))
-    out = tree_map(lambda x: _hinted_meta(x, size), node.meta.get("val"))
-    try:
-        return float(formula(*args, **kwargs, out_val=out))
-    except Exception:  # a formula that does not accept this overload's arguments
-        return 0.0
 
 
 def _classify(node: fx.Node, op_types: Any) -> Any:
@@ -165,7 +95,7 @@ def _node_bytes(node: fx.Node) -> int:
             return 0
         numel = 1
         for s in x.shape:
-            numel *= _hint(s)
+            numel *= s if type(s) is int else _hint(s)
         return numel * x.dtype.itemsize
 
     if "val" not in node.meta:
@@ -193,17 +123,17 @@ def layer_of_path(path: str) -> str:
 def _layer_of(node: fx.Node, cache: dict[str, str] | None = None) -> str:
     """layer_of_path of the node's module (its nn_module_stack), or "" without one; ``cache``
     keeps the answer per module path."""
-    from autosp.bridge import dotted_path
-
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     path = str(next(reversed(stack.values()))[0])
-    if cache is None:
-        return layer_of_path(dotted_path(path))
-    layer = cache.get(path)
+    layer = cache.get(path) if cache is not None else None
     if layer is None:
-        layer = cache[path] = layer_of_path(dotted_path(path))
+        from autosp.bridge import dotted_path
+
+        layer = layer_of_path(dotted_path(path))
+        if cache is not None:
+            cache[path] = layer
     return layer
 
 
@@ -331,6 +261,20 @@ def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     return aliases
 
 
+def _contiguous(val: torch.Tensor, cache: dict[Any, bool]) -> bool:
+    """PyTorch's ``is_contiguous_or_false`` (no guard on a symbolic size), kept per static sizes
+    and strides: the layers repeat them."""
+    from torch._prims_common import is_contiguous_or_false
+
+    shape, stride = tuple(val.shape), tuple(val.stride())
+    if not all(type(s) is int for s in shape + stride):
+        return bool(is_contiguous_or_false(val))
+    found = cache.get((shape, stride))
+    if found is None:
+        found = cache[(shape, stride)] = bool(is_contiguous_or_false(val))
+    return found
+
+
 def gather_facts(joint_graph: fx.Graph, node_info: Any,
                  forward_outputs: Any = ()) -> tuple[list[fx.Node], list[Any]]:
     """The remat solver's facts (``_core.RematNode``) for every non-output node of a joint
@@ -340,8 +284,6 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.utils import _is_fwd_seed_offset, _is_primal
     from torch._functorch.compile_utils import get_aten_target
-    from torch._prims_common import is_contiguous_or_false
-
     op_types = partitioners.get_default_op_list()
     nodes = [n for n in joint_graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
@@ -371,6 +313,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
                 by_op[key] = op
         per_node.append(op)
     layers: dict[str, str] = {}
+    contiguous: dict[Any, bool] = {}
     region_aliases = region_call_aliases(joint_graph)
 
     facts = []
@@ -398,7 +341,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         # Known contiguous (offload copies only those), asked of forward values alone; without
         # guards on a symbolic length (unknown: false).
         val = node.meta.get("val") if f.required_fw else None
-        f.contiguous = isinstance(val, torch.Tensor) and bool(is_contiguous_or_false(val))
+        f.contiguous = isinstance(val, torch.Tensor) and _contiguous(val, contiguous)
         users = sorted(index[u] for u in node.users if u in index)
         f.users = users
         f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]
