@@ -81,6 +81,8 @@ class _NotSimple(Exception):
 
 _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size, type(Ellipsis))
+_IMMUTABLE_LIST = fx.immutable_collections.immutable_list
+_IMMUTABLE_DICT = fx.immutable_collections.immutable_dict
 
 
 def _cse_key(arg: object) -> object:
@@ -90,10 +92,11 @@ def _cse_key(arg: object) -> object:
     t = type(arg)
     if t is fx.Node:
         return arg
-    if t is tuple or t is list or t is fx.immutable_collections.immutable_list:
-        return (t, tuple(_cse_key(a) for a in arg))  # type: ignore[union-attr]
-    if t is dict or t is fx.immutable_collections.immutable_dict:
-        return (t, tuple((k, _cse_key(v)) for k, v in arg.items()))  # type: ignore[union-attr]
+    if t is tuple or t is list or t is _IMMUTABLE_LIST:
+        return (t, tuple([a if type(a) is fx.Node else _cse_key(a)
+                          for a in arg]))  # type: ignore[union-attr]
+    if t is dict or t is _IMMUTABLE_DICT:
+        return (t, tuple([(k, _cse_key(v)) for k, v in arg.items()]))  # type: ignore[union-attr]
     if t in _LEAVES:
         return (t, arg)
     if isinstance(arg, torch._ops.OpOverload):
@@ -140,21 +143,23 @@ def cse_in_place(gm: fx.GraphModule) -> bool:
         if isinstance(val, sympy.Symbol) and free_unbacked_symbols(val):
             continue
         try:
-            _cse_key(n.args), _cse_key(n.kwargs)
+            candidates.append((n, (n.target, _cse_key(n.args), _cse_key(n.kwargs))))
         except _NotSimple:
             return False
-        candidates.append(n)
     outputs = {s for s in map(storage, output.all_input_nodes) if s is not None}
     if outputs:
-        candidates = [n for n in candidates if storage(n) not in outputs]
+        candidates = [(n, key) for n, key in candidates if storage(n) not in outputs]
 
     compute_mutation_region_ids(graph)  # type: ignore[arg-type]
     seen: dict[object, fx.Node] = {}
+    rewired: set[fx.Node] = set()  # nodes that read a removed node: their key is recomputed
     erased = False
-    for n in candidates:
-        key = (n.target, _cse_key(n.args), _cse_key(n.kwargs))
+    for n, key in candidates:
+        if n in rewired:
+            key = (n.target, _cse_key(n.args), _cse_key(n.kwargs))
         prev = seen.get(key)
         if prev is not None and same_mutation_regions(n, prev):
+            rewired.update(n.users)
             n.replace_all_uses_with(prev)
             graph.erase_node(n)
             erased = True
