@@ -219,29 +219,29 @@ def test_extraction_matches_pytorch(name: str, monkeypatch) -> None:
 
     monkeypatch.setattr(remat_extract, "_extract", counted)
     again = []
-    built_before = remat_extract._built_before
+    extendable = remat_extract._extendable
 
     def counted_again(*args, **kwargs):
-        graph = built_before(*args, **kwargs)
-        again.append(graph is not None)
-        return graph
+        built = extendable(*args, **kwargs)
+        again.append(built is not None)
+        return built
 
-    monkeypatch.setattr(remat_extract, "_built_before", counted_again)
+    monkeypatch.setattr(remat_extract, "_extendable", counted_again)
     for joint, joint_inputs, kwargs in _joints(name):
         for policy in ("default", "sequence-aware", "none"):
             ours = _partition(joint, joint_inputs, kwargs, policy, fast=True)
             theirs = _partition(joint, joint_inputs, kwargs, policy, fast=False)
             for a, b in zip(ours, theirs):
                 assert _described(a) == _described(b), (name, policy)
-    # Where torch has the function it mirrors, the fast path ran (torch 2.13), and the second
-    # backward extraction was the first one's graph rearranged.
+    # Where torch has the function it mirrors, the fast path ran (torch 2.13), and a second
+    # extraction from the same inputs extended the first one's graph.
     assert bool(calls) == mirrored
     assert any(again) == mirrored
     assert partitioners._extract_graph_with_inputs_outputs.__name__ == \
         "_extract_graph_with_inputs_outputs"  # put back after each partition
 
 
-def test_a_second_extraction_with_the_inputs_reordered_matches_pytorch() -> None:
+def test_a_second_extraction_from_the_same_inputs_matches_pytorch() -> None:
     """PyTorch's second backward extraction may take the same inputs in another order (symbolic
     sizes that bind a symbol first, tensors saved without a version check last): the first
     graph handed back rearranged is then the graph PyTorch builds for that order."""
@@ -264,3 +264,10 @@ def test_a_second_extraction_with_the_inputs_reordered_matches_pytorch() -> None
     assert second is first  # handed back, rearranged
     theirs = original(joint.graph, reordered, outputs, descs, "backward", True)
     assert _described(fx.GraphModule(joint, second)) == _described(fx.GraphModule(joint, theirs))
+    # Fewer outputs keep fewer nodes: not an extension of the graph built before.
+    with remat_extract.fast_extraction():
+        extract = partitioners._extract_graph_with_inputs_outputs
+        extract(joint.graph, inputs, outputs, descs, "backward", True)
+        fewer = extract(joint.graph, inputs, outputs[:1], descs[:1], "backward", True)
+    theirs = original(joint.graph, inputs, outputs[:1], descs[:1], "backward", True)
+    assert _described(fx.GraphModule(joint, fewer)) == _described(fx.GraphModule(joint, theirs))

@@ -3,13 +3,15 @@ the copies it throws away.
 
 PyTorch builds the forward and backward graphs with ``_extract_graph_with_inputs_outputs``: it
 copies every node of the joint graph that the inputs can compute, then removes, by dead-code
-elimination, the ones the outputs do not need. On the 16-layer Llama joint graph (3,383 nodes)
-that is 8,800 node copies for graphs of about 5,000 nodes, and FX checks every argument of every
-node it creates. :func:`fast_extraction` has PyTorch's ``_extract_fwd_bwd_modules`` (and
-``classify_nodes``) call :func:`_extract` instead, which works out first which nodes the
-elimination would keep and copies only those. Everything else, the saved-value conventions
-included, stays PyTorch's. Its graphs are PyTorch's: the same nodes, order, names, metadata and
-namespace (``tests/test_remat.py::test_extraction_matches_pytorch``).
+elimination, the ones the outputs do not need. It is called four times per partition (the
+forward once to learn which nodes it needs, the backward twice, the forward again): on the
+16-layer Llama joint graph (3,383 nodes) 8,800 node copies for graphs of about 4,000 nodes, and
+FX checks every argument of every node it creates. :func:`fast_extraction` has PyTorch's
+``classify_nodes`` and ``_extract_fwd_bwd_modules`` call :func:`_extract` instead, which works
+out first which nodes the elimination would keep and copies only those, and which extends a
+graph it built from the same inputs rather than building it again (:func:`_extendable`).
+Everything else, the saved-value conventions included, stays PyTorch's. Its graphs are
+PyTorch's: the same nodes, order, names, metadata and namespace (``tests/test_remat_graphs.py``).
 
 Used where PyTorch's function has the signature this mirrors (torch 2.13); elsewhere PyTorch's
 own runs, as it does for a graph with nodes of a kind not mirrored here, or an output the inputs
@@ -44,10 +46,6 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
                         ignore_must_be_in_fw_bw)
 
     given = set(inputs)
-    again = _built_before(joint_graph, inputs, given, outputs, outputs_descs, subgraph,
-                          ignore_must_be_in_fw_bw)
-    if again is not None:
-        return again
     in_backward, in_forward = partitioners._must_be_in_backward, partitioners._must_be_in_forward
     invalid: set[fx.Node] = set()
     valid: list[fx.Node] = []
@@ -85,39 +83,25 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
                 or node.is_impure(impure_random):
             kept.add(node)
 
-    graph = fx.Graph()
-    namespace = graph._graph_namespace
-    env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        placeholder = graph.placeholder(node.name)
-        placeholder.meta = node.meta
-        env[node] = placeholder
-    copy_node = _copy if _DIRECT else lambda graph, node, arg: graph.node_copy(node, arg)
-    for node in valid:
-        if node in kept:
-            env[node] = copy_node(graph, node, env.__getitem__)
-        else:  # PyTorch's copy took its name before the elimination removed it
-            namespace.create_name(node.name, None)
-    values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
-    out = graph.output(tuple(values))
-    out.meta["desc"] = outputs_descs
-    out.meta["output_stack_traces"] = [
-        v.meta.get("stack_trace") if isinstance(v, fx.Node) else None for v in values]
-    if _built is not None and len(given) == len(inputs):
-        _built.append(_Built(joint_graph, subgraph, ignore_must_be_in_fw_bw, outputs,
-                             outputs_descs, given, valid, kept, env, graph))
-    return graph
+    unique = _DIRECT and len(given) == len(inputs)
+    built = _extendable(joint_graph, given, valid, kept, subgraph, ignore_must_be_in_fw_bw) \
+        if unique else None
+    if built is None:
+        built = _Built(joint_graph, subgraph, ignore_must_be_in_fw_bw, given, valid, set(), {},
+                       fx.Graph())
+        if _built is not None and unique:
+            _built.append(built)
+    return _build(built, inputs, kept, outputs, outputs_descs)
 
 
 @dataclasses.dataclass
 class _Built:
-    """A graph :func:`_extract` built within one :func:`fast_extraction`, with what it was built
-    from."""
+    """A graph :func:`_extract` built within one :func:`fast_extraction`, and what from: the
+    joint graph, the subgraph asked for, the inputs, the nodes they compute (``valid``), the
+    nodes kept and each one's copy (``env``, the inputs' placeholders too)."""
     joint_graph: fx.Graph
     subgraph: str | None
     ignore: bool
-    outputs: list[Any]
-    outputs_descs: list[Any]
     given: set[fx.Node]
     valid: list[fx.Node]
     kept: set[fx.Node]
@@ -128,45 +112,79 @@ class _Built:
 _built: list[_Built] | None = None
 
 
-def _built_before(joint_graph: fx.Graph, inputs: list[fx.Node], given: set[fx.Node],
-                  outputs: list[Any], outputs_descs: list[Any], subgraph: str | None,
-                  ignore: bool) -> fx.Graph | None:
-    """PyTorch extracts the backward twice: the first time only to find the saved values it does
-    not read, the second with them left out and the rest in another order. Where none was left
-    out, the second graph is the first with its inputs in the new order (and the namespace that
-    order gives): that graph is handed back again, rearranged, rather than built anew. PyTorch
-    reads the first only for its inputs' users, before asking for the second."""
-    from torch.fx.graph import _Namespace
-
-    if _built is None or len(given) != len(inputs):
+def _extendable(joint_graph: fx.Graph, given: set[fx.Node], valid: list[fx.Node],
+                kept: set[fx.Node], subgraph: str | None, ignore: bool) -> _Built | None:
+    """A graph built earlier from the same inputs (in any order) that keeps no node this one
+    drops. PyTorch asks for such pairs and reads only the second: ``classify_nodes`` extracts
+    the forward to learn which nodes it needs, then ``_extract_fwd_bwd_modules`` the forward
+    again with the saved values as outputs too; it extracts the backward once to find the saved
+    values it does not read, then again with the rest in another order. The earlier graph is
+    handed back extended (:func:`_build`) rather than built anew."""
+    if _built is None:
         return None
-    outputs = [x for x, _ in zip(outputs, outputs_descs)]
     for b in _built:
         if (b.joint_graph is joint_graph and b.subgraph == subgraph and b.ignore == ignore
-                and b.given == given and len(b.outputs) == len(outputs)
-                and all(x is y for x, y in zip(b.outputs, outputs))
-                and b.outputs_descs == outputs_descs):
-            break
-    else:
-        return None
+                and b.given == given and b.kept <= kept and len(b.valid) == len(valid)
+                and all(x is y for x, y in zip(b.valid, valid))):
+            return b
+    return None
+
+
+def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[Any],
+           outputs_descs: list[Any]) -> fx.Graph:
+    """The extracted graph: placeholders for ``inputs`` in their order, copies of the ``kept``
+    nodes in the joint graph's order, and the output; into ``b.graph``, which holds the copies
+    of ``b.kept`` already (nothing at first). Its namespace is the one PyTorch's copy, node by
+    node, would end with: every node the inputs compute took its name, kept or not."""
+    from torch.fx.graph import _Namespace
+
     graph, env = b.graph, b.env
-    anchor = next(n for n in graph.nodes if n.op != "placeholder")
     table = graph._find_nodes_lookup_table
+    old_output = next(iter(graph.find_nodes(op="output")), None)
+    if old_output is not None:
+        graph.erase_node(old_output)
+    # Nodes are made with the names PyTorch's copy gives them (the joint graph's), and the
+    # namespace is replayed after.
+    copy_node = _copy if _DIRECT else _node_copy  # without the internals, never extended
     for node in inputs:
-        placeholder = env[node]
-        anchor.prepend(placeholder)
-        table.remove(placeholder)
-        table.insert(placeholder)
+        placeholder = env.get(node)
+        if placeholder is None:
+            placeholder = env[node] = graph.placeholder(node.name)
+            placeholder.meta = node.meta
+        else:  # to the new order
+            table.remove(placeholder)
+            table.insert(placeholder)
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if first is not None:  # placeholders first
+        for node in inputs:
+            first.prepend(env[node])
+    prev = env[inputs[-1]] if inputs else graph._root
+    for node in b.valid:
+        if node not in kept:
+            continue
+        copied = env.get(node)
+        if copied is None:
+            copied = env[node] = copy_node(graph, node, env.__getitem__)
+            if prev._next is not copied:
+                prev.append(copied)
+        prev = copied
+    b.kept = set(kept)
+
     namespace = _Namespace()
     for node in inputs:
         namespace.associate_name_with_obj(namespace.create_name(node.name, None), env[node])
     for node in b.valid:
         name = namespace.create_name(node.name, None)
-        if node in b.kept:
+        if node in kept:
+            if name != env[node].name:  # cannot happen: the joint graph's names are unique
+                raise AssertionError(f"[remat] extraction renamed {env[node].name} to {name}")
             namespace.associate_name_with_obj(name, env[node])
-    out = graph.output_node()
-    namespace.associate_name_with_obj(namespace.create_name(out.name, None), out)
     graph._graph_namespace = namespace
+    values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
+    out = graph.output(tuple(values))
+    out.meta["desc"] = outputs_descs
+    out.meta["output_stack_traces"] = [
+        v.meta.get("stack_trace") if isinstance(v, fx.Node) else None for v in values]
     return graph
 
 
@@ -180,19 +198,21 @@ _DIRECT = _has_internals()
 
 
 def _copy(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
-    """``graph.node_copy(node, arg)`` as ``Graph.create_node`` makes a node, less its check
-    that no argument is a raw symbolic value (a tree walk over every argument, most of a copy's
-    time in torch 2.13): the node it copies passed that check when it was made."""
+    """``graph.node_copy(node, arg)`` as ``Graph.create_node`` makes a node, with ``node``'s
+    name (the namespace is replayed by :func:`_build`) and without its check that no argument
+    is a raw symbolic value (a tree walk over every argument, most of a copy's time in torch
+    2.13): the node it copies passed that check when it was made."""
     args, kwargs = map_arg(node.args, arg), map_arg(node.kwargs, arg)
-    namespace = graph._graph_namespace
-    name = namespace.create_name(node.name, None)
-    new = fx.Node(graph, name, node.op, node.target, args, kwargs, node.type)
-    namespace.associate_name_with_obj(name, new)
+    new = fx.Node(graph, node.name, node.op, node.target, args, kwargs, node.type)
     graph._insert(new)
     graph._find_nodes_lookup_table.insert(new)
     graph._len += 1
     new.meta = copy.copy(node.meta)
     return new
+
+
+def _node_copy(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
+    return graph.node_copy(node, arg)
 
 
 @contextlib.contextmanager
