@@ -47,15 +47,19 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
 
     given = set(inputs)
     in_backward, in_forward = partitioners._must_be_in_backward, partitioners._must_be_in_forward
+    # Where a node must be is asked again by each extraction: kept for the partition.
+    placed = _placed if _placed is not None else {}
     invalid: set[fx.Node] = set()
     valid: list[fx.Node] = []
     for node in joint_graph.nodes:
         if node in given:
             continue
         op = node.op
+        must = placed.get(node)
+        if must is None:
+            must = placed[node] = (in_backward(node), in_forward(node))
         if not ignore_must_be_in_fw_bw and (
-                (subgraph != "backward" and in_backward(node))
-                or (subgraph != "forward" and in_forward(node))):
+                (subgraph != "backward" and must[0]) or (subgraph != "forward" and must[1])):
             invalid.add(node)
         elif op == "call_function":
             if invalid and any(x in invalid for x in node._input_nodes):
@@ -110,6 +114,7 @@ class _Built:
 
 
 _built: list[_Built] | None = None
+_placed: dict[fx.Node, tuple[bool, bool]] | None = None
 
 
 def _extendable(joint_graph: fx.Graph, given: set[fx.Node], valid: list[fx.Node],
@@ -228,12 +233,12 @@ def fast_extraction() -> Iterator[None]:
     def extract(*args: Any, **kwargs: Any) -> fx.Graph:
         return _extract(original, *args, **kwargs)
 
-    global _built
+    global _built, _placed
     with _lock:
         partitioners._extract_graph_with_inputs_outputs = extract
-        outer, _built = _built, []
+        outer, _built, outer_placed, _placed = _built, [], _placed, {}
         try:
             yield
         finally:
             partitioners._extract_graph_with_inputs_outputs = original
-            _built = outer
+            _built, _placed = outer, outer_placed

@@ -63,6 +63,8 @@ def _classify(node: fx.Node, op_types: Any) -> Any:
 
 def _save_cost(node: fx.Node) -> Any:
     C = _core.RematSaveCost
+    if isinstance(node.meta.get("val"), torch.Tensor):  # the common case, first
+        return C.TENSOR
     from torch.fx.experimental.proxy_tensor import is_sym_node
 
     if is_sym_node(node):
@@ -314,6 +316,9 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         per_node.append(op)
     layers: dict[str, str] = {}
     contiguous: dict[Any, bool] = {}
+    from autosp.shard import parameter_groups
+
+    sharded = bool(parameter_groups())  # else no node is a parameter's collective
     region_aliases = region_call_aliases(joint_graph)
 
     facts = []
@@ -327,20 +332,21 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         f.save_cost = _save_cost(node)
         f.bytes = _node_bytes(node)
         f.flops = node_flops(node, kind, name)
-        f.required_fw = node in required_fw
+        f.required_fw = forward = node in required_fw
         f.required_bw = node in required_bw
         f.tangents_closure = node in tangents_closure
-        f.primal_input = _is_primal(node) or _is_fwd_seed_offset(node)
+        f.primal_input = node.op == "placeholder" and (_is_primal(node)
+                                                       or _is_fwd_seed_offset(node))
         f.static_lifetime = node in static_lifetime
         f.forward_output = node in outputs
         f.must_save = node.meta.get("recompute") == must_save_policy
         f.must_recompute = partitioners.must_recompute(node)
-        f.parameter_collective = is_parameter_collective(node)
+        f.parameter_collective = sharded and is_parameter_collective(node)
         f.fusible = fusible
         f.getitem = node.op == "call_function" and node.target is operator.getitem
         # Known contiguous (offload copies only those), asked of forward values alone; without
         # guards on a symbolic length (unknown: false).
-        val = node.meta.get("val") if f.required_fw else None
+        val = node.meta.get("val") if forward else None
         f.contiguous = isinstance(val, torch.Tensor) and _contiguous(val, contiguous)
         users = sorted(index[u] for u in node.users if u in index)
         f.users = users
