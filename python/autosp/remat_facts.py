@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from autosp import _core
 from autosp.ops import ALIASING_WITHOUT_SCHEMA
-from autosp.remat_flops import _ATTENTION_NAME, _hint, node_flops
+from autosp.remat_flops import _ATTENTION_NAME, _hint, has_flops, node_flops
 
 
 def _partitioners():
@@ -92,24 +92,27 @@ def _save_cost(node: fx.Node) -> Any:
 
 def _node_bytes(node: fx.Node) -> int:
     """PyTorch's _size_of (bytes of the value, hinted sizes), 0 where it has no answer."""
-    def tensor_bytes(x: Any) -> int:
-        if not isinstance(x, torch.Tensor):
-            return 0
-        numel = 1
-        for s in x.shape:
-            numel *= s if type(s) is int else _hint(s)
-        return numel * x.dtype.itemsize
-
     if "val" not in node.meta:
         return 0
     val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        return _tensor_bytes(val)
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return 1
     if isinstance(val, (list, tuple)):
-        return sum(tensor_bytes(v) for v in val)
+        return sum(_tensor_bytes(v) for v in val)
     if isinstance(val, dict):
-        return sum(tensor_bytes(v) for v in val.values())
-    return tensor_bytes(val)
+        return sum(_tensor_bytes(v) for v in val.values())
+    return 0
+
+
+def _tensor_bytes(x: Any) -> int:
+    if not isinstance(x, torch.Tensor):
+        return 0
+    numel = 1
+    for s in x.shape:
+        numel *= s if type(s) is int else _hint(s)
+    return numel * x.dtype.itemsize
 
 
 def layer_of_path(path: str) -> str:
@@ -300,7 +303,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
     must_save_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
 
     # What depends on the op alone (its kind, name, fusibility) is worked out once per op.
-    by_op: dict[Any, tuple[Any, str, bool, bool]] = {}
+    by_op: dict[Any, tuple[Any, str, bool, bool, bool]] = {}
     per_node = []
     for node in nodes:
         key = (node.op, node.target)
@@ -309,8 +312,9 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         except TypeError:  # an unhashable target
             key, op = None, None
         if op is None:
-            op = (_classify(node, op_types), _op_name(node), op_types.is_fusible(node),
-                  get_aten_target(node) == aten_cat)
+            kind = _classify(node, op_types)
+            op = (kind, _op_name(node), op_types.is_fusible(node),
+                  get_aten_target(node) == aten_cat, has_flops(node, kind))
             if key is not None:
                 by_op[key] = op
         per_node.append(op)
@@ -323,7 +327,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
 
     facts = []
     for i, node in enumerate(nodes):
-        kind, name, fusible, _ = per_node[i]
+        kind, name, fusible, _, counted = per_node[i]
         f = _core.RematNode()
         f.name = node.name
         f.target = name
@@ -331,7 +335,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         f.kind = kind
         f.save_cost = _save_cost(node)
         f.bytes = _node_bytes(node)
-        f.flops = node_flops(node, kind, name)
+        f.flops = node_flops(node, kind, name) if counted else 0.0
         f.required_fw = forward = node in required_fw
         f.required_bw = node in required_bw
         f.tangents_closure = node in tangents_closure

@@ -59,6 +59,16 @@ def _attention_flops(node: fx.Node, name: str, size: SizeFn = _hint) -> float:
     return float((10 if backward else 4) * b * h * sq * sk * d)
 
 
+def has_flops(node: fx.Node, kind: Any) -> bool:
+    """Whether :func:`node_flops` may count FLOPs for ``node`` (an op with a FLOP formula, or
+    attention): a property of the op alone."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    from torch.utils.flop_counter import flop_registry
+
+    return node.target.overloadpacket in flop_registry or kind == _core.RematOpKind.ATTENTION
+
+
 def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> float:
     """FLOPs of one joint-graph node (PyTorch's FLOP formulas; attention by its own formula),
     with symbolic sizes evaluated by `size` (default: the trace's hint). The planner passes a
