@@ -116,7 +116,6 @@ def cse_in_place(gm: fx.GraphModule) -> bool:
     from torch._inductor.pattern_matcher import compute_mutation_region_ids, same_mutation_regions
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
     from torch.fx.graph import _Namespace
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -125,11 +124,12 @@ def cse_in_place(gm: fx.GraphModule) -> bool:
         return False
 
     def storage(n: fx.Node) -> object:
+        """The storage's identity (PyTorch compares StorageWeakRefs, which compare it)."""
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return None
         try:
-            return StorageWeakRef(val.untyped_storage())
+            return val.untyped_storage()._cdata
         except NotImplementedError:
             return None
 
