@@ -75,42 +75,54 @@ def reorder_like_autograd(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class _NotSimple(Exception):
-    """An argument whose equality PyTorch's CSE decides through pytree in a way not mirrored
-    here (a raw symbolic value, a namedtuple, an unregistered container)."""
+    """An argument whose flattening PyTorch's CSE leaves to pytree in a way not mirrored here
+    (a raw symbolic value, a namedtuple, an unregistered container)."""
 
 
 _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-           torch.memory_format, torch.Size, type(Ellipsis))
+           torch.memory_format, type(Ellipsis))
 _IMMUTABLE_LIST = fx.immutable_collections.immutable_list
 _IMMUTABLE_DICT = fx.immutable_collections.immutable_dict
+_SEQUENCES = (tuple, list, _IMMUTABLE_LIST, torch.Size)
 
 
-def _cse_key(arg: object) -> object:
-    """A hashable key equal for two arguments exactly when PyTorch's ``fx_graph_cse`` finds them
-    equal: the flattened leaves (each with its type, so ``1`` and ``1.0`` differ) and the
-    containers' types. A node is itself: its duplicates were already replaced."""
+def _flatten(arg: object, leaves: list) -> object:
+    """pytree's ``tree_flatten`` as PyTorch's CSE uses it (torch 2.13's registrations): appends
+    the leaves to ``leaves`` and returns a key equal for equal tree specs."""
     t = type(arg)
-    if t is fx.Node:
-        return arg
-    if t is tuple or t is list or t is _IMMUTABLE_LIST:
-        return (t, tuple([a if type(a) is fx.Node else _cse_key(a)
-                          for a in arg]))  # type: ignore[union-attr]
+    if t is fx.Node or t in _LEAVES or isinstance(arg, torch._ops.OpOverload):
+        leaves.append(arg)
+        return None
+    if t in _SEQUENCES:
+        return (t, tuple([_flatten(a, leaves) for a in arg]))  # type: ignore[union-attr]
     if t is dict or t is _IMMUTABLE_DICT:
-        return (t, tuple([(k, _cse_key(v)) for k, v in arg.items()]))  # type: ignore[union-attr]
-    if t in _LEAVES:
-        return (t, arg)
-    if isinstance(arg, torch._ops.OpOverload):
-        return (t, arg)
+        return (t, tuple(arg), tuple([_flatten(v, leaves)  # type: ignore[union-attr]
+                                      for v in arg.values()]))  # type: ignore[union-attr]
     raise _NotSimple
+
+
+def _cse_token(node: fx.Node) -> tuple[object, tuple]:
+    """PyTorch's CSE's hash and token of ``node``: the hash of its flattened arguments, each with
+    its type (so ``1`` and ``1.0`` hash apart), and what two nodes of one hash must share to be
+    one (target, leaves compared by ``==``, tree specs). Its duplicates were already replaced,
+    so a node argument is itself."""
+    args: list = []
+    kwargs: list = []
+    args_spec = _flatten(node.args, args)
+    kwargs_spec = _flatten(node.kwargs, kwargs)
+    hashed = hash((tuple([(a, type(a)) for a in args]), tuple([(a, type(a)) for a in kwargs])))
+    return (node.target, hashed), (node.target, tuple(args), args_spec, tuple(kwargs),
+                                   kwargs_spec)
 
 
 def cse_in_place(gm: fx.GraphModule) -> bool:
     """PyTorch's ``fx_graph_cse`` done in place: the same nodes removed (a node that repeats an
     earlier one's target and arguments, in the same mutation region, unless it is random,
-    ``aten.empty``, aliases an output or binds an unbacked symbol) and every use of it moved to
-    the earlier one. The graph keeps its order and names, and gets the namespace a fresh copy
-    would have. Returns False, changing nothing, where an argument is of a kind this mirror
-    does not handle (the caller then uses PyTorch's copy)."""
+    ``aten.empty``, aliases an output or binds an unbacked symbol; found as PyTorch finds it,
+    by the hash of the flattened arguments, whose first holder alone is compared) and every use
+    of it moved to the earlier one. The graph keeps its order and names, and gets the namespace
+    a fresh copy would have. Returns False, changing nothing, where an argument is of a kind
+    this mirror does not handle (the caller then uses PyTorch's copy)."""
     import sympy
     from torch._functorch.compile_utils import get_aten_target, rand_ops
     from torch._inductor.pattern_matcher import compute_mutation_region_ids, same_mutation_regions
@@ -143,28 +155,34 @@ def cse_in_place(gm: fx.GraphModule) -> bool:
         if isinstance(val, sympy.Symbol) and free_unbacked_symbols(val):
             continue
         try:
-            candidates.append((n, (n.target, _cse_key(n.args), _cse_key(n.kwargs))))
-        except _NotSimple:
+            candidates.append((n, _cse_token(n)))
+        except (_NotSimple, TypeError):  # TypeError: an unhashable argument
             return False
     outputs = {s for s in map(storage, output.all_input_nodes) if s is not None}
     if outputs:
         candidates = [(n, key) for n, key in candidates if storage(n) not in outputs]
 
     compute_mutation_region_ids(graph)  # type: ignore[arg-type]
-    seen: dict[object, fx.Node] = {}
-    rewired: set[fx.Node] = set()  # nodes that read a removed node: their key is recomputed
+    # PyTorch's lookup, hash first: the first node of a hash holds it, so a node whose token
+    # differs from that one's is kept even where it repeats a later one (hash(-1) == hash(-2)),
+    # unless a mutation between the two made the later one the holder.
+    holders: dict[object, tuple[fx.Node, tuple]] = {}
+    rewired: set[fx.Node] = set()  # nodes that read a removed node: their token is recomputed
     erased = False
-    for n, key in candidates:
+    for n, (hashed, token) in candidates:
         if n in rewired:
-            key = (n.target, _cse_key(n.args), _cse_key(n.kwargs))
-        prev = seen.get(key)
-        if prev is not None and same_mutation_regions(n, prev):
-            rewired.update(n.users)
-            n.replace_all_uses_with(prev)
-            graph.erase_node(n)
-            erased = True
-            continue
-        seen[key] = n
+            hashed, token = _cse_token(n)
+        holder = holders.get(hashed)
+        if holder is not None and holder[1] == token:
+            if same_mutation_regions(n, holder[0]):
+                rewired.update(n.users)
+                n.replace_all_uses_with(holder[0])
+                graph.erase_node(n)
+                erased = True
+                continue
+            holders[hashed] = (n, token)
+        elif holder is None:
+            holders[hashed] = (n, token)
     if erased:
         namespace = _Namespace()
         for node in graph.nodes:
