@@ -444,14 +444,13 @@ def test_second_backward_reuse_was_exercised(monkeypatch) -> None:
     match above covers it): dynamic sizes (symbols bound first) and a ctx-stashed tensor (saved
     without a version check, last)."""
     hits = []
-    extendable = remat_extract._extendable
+    build = remat_extract._build
 
-    def counted(*args, **kwargs):
-        built = extendable(*args, **kwargs)
-        hits.append(built is not None and built.subgraph == "backward")
-        return built
+    def counted(built, *args, **kwargs):
+        hits.append(bool(built.kept) and built.subgraph == "backward")  # extended
+        return build(built, *args, **kwargs)
 
-    monkeypatch.setattr(remat_extract, "_extendable", counted)
+    monkeypatch.setattr(remat_extract, "_build", counted)
     for name in ("mark-dynamic", "ctx-stash"):
         hits.clear()
         make, _, kw = HELD[name]

@@ -219,14 +219,13 @@ def test_extraction_matches_pytorch(name: str, monkeypatch) -> None:
 
     monkeypatch.setattr(remat_extract, "_extract", counted)
     again = []
-    extendable = remat_extract._extendable
+    build = remat_extract._build
 
-    def counted_again(*args, **kwargs):
-        built = extendable(*args, **kwargs)
-        again.append(built is not None)
-        return built
+    def counted_again(built, *args, **kwargs):
+        again.append(bool(built.kept))  # nodes in it already: extended
+        return build(built, *args, **kwargs)
 
-    monkeypatch.setattr(remat_extract, "_extendable", counted_again)
+    monkeypatch.setattr(remat_extract, "_build", counted_again)
     for joint, joint_inputs, kwargs in _joints(name):
         for policy in ("default", "sequence-aware", "none"):
             ours = _partition(joint, joint_inputs, kwargs, policy, fast=True)

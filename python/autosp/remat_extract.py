@@ -9,7 +9,7 @@ forward once to learn which nodes it needs, the backward twice, the forward agai
 FX checks every argument of every node it creates. :func:`fast_extraction` has PyTorch's
 ``classify_nodes`` and ``_extract_fwd_bwd_modules`` call :func:`_extract` instead, which works
 out first which nodes the elimination would keep and copies only those, and which extends a
-graph it built from the same inputs rather than building it again (:func:`_extendable`).
+graph it built from the same inputs rather than building it again (:func:`_built_from`).
 Everything else, the saved-value conventions included, stays PyTorch's. Its graphs are
 PyTorch's: the same nodes, order, names, metadata and namespace (``tests/test_remat_graphs.py``).
 
@@ -39,13 +39,48 @@ _lock = threading.RLock()
 def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: list[fx.Node],
              outputs: list[Any], outputs_descs: list[Any], subgraph: str | None = None,
              ignore_must_be_in_fw_bw: bool = False) -> fx.Graph:
-    from torch._functorch import partitioners
-
     def theirs() -> fx.Graph:
         return original(joint_graph, inputs, outputs, outputs_descs, subgraph,
                         ignore_must_be_in_fw_bw)
 
     given = set(inputs)
+    earlier = _built_from(joint_graph, given, subgraph, ignore_must_be_in_fw_bw)
+    valid = earlier.valid if earlier is not None else _computed(
+        joint_graph, given, subgraph, ignore_must_be_in_fw_bw)
+    if valid is None:
+        return theirs()  # a call_module or call_method: PyTorch fails on its users
+    outputs = [x for x, _ in zip(outputs, outputs_descs)]
+    needed = {x for x in outputs if isinstance(x, fx.Node)}
+    if not needed <= given.union(valid):
+        return theirs()  # PyTorch looks for a replacement of an invalid output, or raises
+
+    # What the elimination keeps: an output, an impure node, or an input of a kept node.
+    impure_random = True
+    if torch._guards.TracingContext.try_get():
+        impure_random = torch._inductor.config.fallback_random
+    kept: set[fx.Node] = set()
+    for node in reversed(valid):
+        if node in needed or any(user in kept for user in node.users) \
+                or node.is_impure(impure_random):
+            kept.add(node)
+
+    unique = _DIRECT and len(given) == len(inputs)
+    built = earlier if unique and earlier is not None and earlier.kept <= kept else None
+    if built is None:
+        built = _Built(joint_graph, subgraph, ignore_must_be_in_fw_bw, given, valid, set(), {},
+                       fx.Graph())
+        if _built is not None and unique:
+            _built.append(built)
+    return _build(built, inputs, kept, outputs, outputs_descs)
+
+
+def _computed(joint_graph: fx.Graph, given: set[fx.Node], subgraph: str | None,
+              ignore_must_be_in_fw_bw: bool) -> list[fx.Node] | None:
+    """The nodes of ``joint_graph`` that ``given`` computes, in order, as PyTorch's extraction
+    finds them (a node that must be in the other graph is not; None where the graph has a node
+    of a kind not mirrored here)."""
+    from torch._functorch import partitioners
+
     in_backward, in_forward = partitioners._must_be_in_backward, partitioners._must_be_in_forward
     # Where a node must be is asked again by each extraction: kept for the partition.
     placed = _placed if _placed is not None else {}
@@ -71,31 +106,8 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
         elif op == "get_attr":
             valid.append(node)
         elif op != "output":
-            return theirs()  # a call_module or call_method: PyTorch fails on its users
-    outputs = [x for x, _ in zip(outputs, outputs_descs)]
-    needed = {x for x in outputs if isinstance(x, fx.Node)}
-    if not needed <= given.union(valid):
-        return theirs()  # PyTorch looks for a replacement of an invalid output, or raises
-
-    # What the elimination keeps: an output, an impure node, or an input of a kept node.
-    impure_random = True
-    if torch._guards.TracingContext.try_get():
-        impure_random = torch._inductor.config.fallback_random
-    kept: set[fx.Node] = set()
-    for node in reversed(valid):
-        if node in needed or any(user in kept for user in node.users) \
-                or node.is_impure(impure_random):
-            kept.add(node)
-
-    unique = _DIRECT and len(given) == len(inputs)
-    built = _extendable(joint_graph, given, valid, kept, subgraph, ignore_must_be_in_fw_bw) \
-        if unique else None
-    if built is None:
-        built = _Built(joint_graph, subgraph, ignore_must_be_in_fw_bw, given, valid, set(), {},
-                       fx.Graph())
-        if _built is not None and unique:
-            _built.append(built)
-    return _build(built, inputs, kept, outputs, outputs_descs)
+            return None
+    return valid
 
 
 @dataclasses.dataclass
@@ -117,20 +129,19 @@ _built: list[_Built] | None = None
 _placed: dict[fx.Node, tuple[bool, bool]] | None = None
 
 
-def _extendable(joint_graph: fx.Graph, given: set[fx.Node], valid: list[fx.Node],
-                kept: set[fx.Node], subgraph: str | None, ignore: bool) -> _Built | None:
-    """A graph built earlier from the same inputs (in any order) that keeps no node this one
-    drops. PyTorch asks for such pairs and reads only the second: ``classify_nodes`` extracts
-    the forward to learn which nodes it needs, then ``_extract_fwd_bwd_modules`` the forward
-    again with the saved values as outputs too; it extracts the backward once to find the saved
-    values it does not read, then again with the rest in another order. The earlier graph is
-    handed back extended (:func:`_build`) rather than built anew."""
-    if _built is None:
-        return None
-    for b in _built:
+def _built_from(joint_graph: fx.Graph, given: set[fx.Node], subgraph: str | None,
+               ignore: bool) -> _Built | None:
+    """A graph built earlier in this partition from the same inputs (in any order). PyTorch asks
+    for such pairs and reads only the second: ``classify_nodes`` extracts the forward to learn
+    which nodes it needs, then ``_extract_fwd_bwd_modules`` the forward again with the saved
+    values as outputs too; it extracts the backward once to find the saved values it does not
+    read, then again with the rest in another order. The nodes the inputs compute are the
+    earlier graph's, and where it keeps no node the second drops, the earlier graph is handed
+    back extended (:func:`_build`) rather than built anew. The joint graph does not change
+    between the two within a partition."""
+    for b in _built or ():
         if (b.joint_graph is joint_graph and b.subgraph == subgraph and b.ignore == ignore
-                and b.given == given and b.kept <= kept and len(b.valid) == len(valid)
-                and all(x is y for x, y in zip(b.valid, valid))):
+                and b.given == given):
             return b
     return None
 
