@@ -320,6 +320,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         per_node.append(op)
     layers: dict[str, str] = {}
     contiguous: dict[Any, bool] = {}
+    flops: dict[Any, float] = {}
     from autosp.shard import parameter_groups
 
     sharded = bool(parameter_groups())  # else no node is a parameter's collective
@@ -335,7 +336,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         f.kind = kind
         f.save_cost = _save_cost(node)
         f.bytes = _node_bytes(node)
-        f.flops = node_flops(node, kind, name) if counted else 0.0
+        f.flops = node_flops(node, kind, name, cache=flops) if counted else 0.0
         f.required_fw = forward = node in required_fw
         f.required_bw = node in required_bw
         f.tangents_closure = node in tangents_closure

@@ -69,10 +69,13 @@ def has_flops(node: fx.Node, kind: Any) -> bool:
     return node.target.overloadpacket in flop_registry or kind == _core.RematOpKind.ATTENTION
 
 
-def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> float:
+def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint,
+               cache: dict[Any, float] | None = None) -> float:
     """FLOPs of one joint-graph node (PyTorch's FLOP formulas; attention by its own formula),
     with symbolic sizes evaluated by `size` (default: the trace's hint). The planner passes a
-    `size` that evaluates S at another length."""
+    `size` that evaluates S at another length. ``cache`` keeps a formula's answer per op and
+    argument shapes, for one graph's nodes at one `size`: repeated layers repeat their
+    matmuls."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     from torch.utils._pytree import tree_map
@@ -87,11 +90,9 @@ def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> flo
     def value(a: Any) -> Any:
         return _hinted_meta(a.meta.get("val"), size) if isinstance(a, fx.Node) else a
 
-    # Repeated layers repeat their matmuls: a formula's answer is kept per op and argument
-    # shapes, with the trace's hints (another `size` evaluates afresh).
-    key = _flops_key(node, size) if size is _hint else None
-    if key is not None and key in _FLOPS:
-        return _FLOPS[key]
+    key = _flops_key(node, size) if cache is not None else None
+    if key is not None and key in cache:  # type: ignore[operator]
+        return cache[key]  # type: ignore[index]
     args, kwargs = tree_map(value, (node.args, node.kwargs))
     out = tree_map(lambda x: _hinted_meta(x, size), node.meta.get("val"))
     try:
@@ -99,18 +100,13 @@ def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint) -> flo
     except Exception:  # a formula that does not accept this overload's arguments
         flops = 0.0
     if key is not None:
-        if len(_FLOPS) > 4096:
-            _FLOPS.clear()
-        _FLOPS[key] = flops
+        cache[key] = flops  # type: ignore[index]
     return flops
-
-
-_FLOPS: dict[Any, float] = {}
 
 
 def _flops_key(node: fx.Node, size: SizeFn) -> Any:
     """What a FLOP formula reads of ``node``: its op, and each argument as (sizes, dtype) or its
-    value, at the trace's hints. None where an argument is not of these kinds."""
+    value, at the sizes `size` gives. None where an argument is not of these kinds."""
     def part(a: Any) -> Any:
         if isinstance(a, fx.Node):
             a = a.meta.get("val")
