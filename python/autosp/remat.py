@@ -51,7 +51,8 @@ and ask what it did::
 Modules: ``autosp.remat_policy`` (policies, MemoryBudget, reports, the solver's options),
 ``autosp.remat_facts`` and ``autosp.remat_flops`` (facts about the joint graph),
 ``autosp.remat_partition`` (the partition function; ``autosp.remat_graphs`` and
-``autosp.remat_extract`` build its graphs as PyTorch's helpers would, without their copies), and
+``autosp.remat_extract`` build its graphs as PyTorch's helpers would, without their copies, and
+``autosp.remat_offload`` applies ``Offload``), and
 this one (the partitioner in Inductor's hook, and the backend).
 """
 
