@@ -479,32 +479,21 @@ def test_fallback_random_keeps_dead_random_ops_like_pytorch() -> None:
 # and eager's
 
 
-def _train(make, policy, pytorch, steps=2, scalar=False, dynamic=None):
+def _train(make, policy, pytorch=False, steps=2, scalar=False, dynamic=None):
+    """Losses and gradients of ``steps`` steps: compiled with ``policy`` (eager where None)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs, loss_fn = make()
     losses = []
     with (_pytorch_path() if pytorch else contextlib.nullcontext()), \
             torch._dynamo.config.patch(capture_scalar_outputs=scalar):
-        compiled = torch.compile(model, backend=remat.backend(policy, backend="aot_eager"),
-                                 dynamic=dynamic)
+        run = model if policy is None else torch.compile(
+            model, backend=remat.backend(policy, backend="aot_eager"), dynamic=dynamic)
         for step in range(steps):
             torch.manual_seed(100 + step)
-            loss = loss_fn(compiled(*_inputs(inputs, step)))
+            loss = loss_fn(run(*_inputs(inputs, step)))
             loss.backward()
             losses.append(loss.detach())
-    return losses, [p.grad for p in model.parameters()]
-
-
-def _eager(make, steps=2):
-    torch.manual_seed(0)
-    model, inputs, loss_fn = make()
-    losses = []
-    for step in range(steps):
-        torch.manual_seed(100 + step)
-        loss = loss_fn(model(*_inputs(inputs, step)))
-        loss.backward()
-        losses.append(loss.detach())
     return losses, [p.grad for p in model.parameters()]
 
 
@@ -524,7 +513,7 @@ def test_training_is_exact(name, policy) -> None:
     make, kw = TRAINED[name]
     ours = _train(make, policy, pytorch=False, **kw)
     theirs = _train(make, policy, pytorch=True, **kw)
-    eager = _eager(make)
+    eager = _train(make, None)
     for a, b, c in zip(ours[0] + ours[1], theirs[0] + theirs[1], eager[0] + eager[1]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
