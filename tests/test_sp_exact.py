@@ -167,6 +167,7 @@ def _sp_exact_worker(
     return out
 
 
+@pytest.mark.slow  # world 4 (GQA kv < P) and world 2 under Inductor run by default
 def test_sp_exact_world2_aot_eager() -> None:
     """P=2: MHA, and GQA with kv < P (one KV head, replicated before the exchange);
     no remat."""

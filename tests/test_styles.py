@@ -72,11 +72,13 @@ SLOW_W2 = {
     "nn-transformer-seq2seq",      # nn-transformer-encoder; its gradient-sync regression is
                                    # test_decompose's (one process) and world 4's
     "bert-masked-mean-mse",        # bert-masked-mean-ce
-    "moe-dense-gates-aux",         # moe-index-add-aux
+    "moe-dense-gates-aux",         # moe-index-add-aux (with regions: test_regions_styles)
     "llama-scratch-cos-sin-kv2",   # llama-scratch-cos-sin-mha, sdpa-enable-gqa-kv2
     "conv1d-same-dilated",         # causal-conv1d-mixer
     "shift-inside-multi-token",    # shift-inside (and -m slow's Inductor run of it)
     "sinusoidal-transposed-ce-smoothing",  # positions and CE forms of the generator's models
+    "bf16-autocast",               # test_guardrails' Llama in bf16, test_fsdp_train's autocast
+    "moe-index-add-aux",           # test_moe; with regions, test_regions_styles
 }
 assert SLOW_W2 <= set(styles.ALL), SLOW_W2 - set(styles.ALL)
 

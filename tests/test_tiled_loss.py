@@ -229,8 +229,11 @@ def test_tiling_removes_the_logits_from_the_measured_peak() -> None:
     assert measured[False].peak_bytes - measured[True].peak_bytes >= 1.5 * logits_bytes
 
 
+# Slow: the default suite checks the planner's prediction of a tiled-loss step in
+# tests/test_tiled_mlp.py (the tiled MLP with sequence-aware remat and the tiled loss).
+@pytest.mark.slow
 @pytest.mark.parametrize("rows,recompute,chunks", [
-    (None, False, (None, 4)), pytest.param("128", True, (None,), marks=pytest.mark.slow)],
+    (None, False, (None, 4)), ("128", True, (None,))],
     ids=["default-and-4-chunks-grads-in-forward", "128-row-chunks-recomputing"])
 def test_planner_predicts_the_tiled_peak(rows: str | None, recompute: bool,
                                          chunks: tuple) -> None:
