@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import operator
 
 import pytest
@@ -208,8 +207,7 @@ def test_extraction_matches_pytorch(name: str, monkeypatch) -> None:
     copying every node it can compute, then eliminating the dead ones), under three policies."""
     from torch._functorch import partitioners
 
-    mirrored = tuple(inspect.signature(
-        partitioners._extract_graph_with_inputs_outputs).parameters) == remat_extract._MIRRORED
+    mirrored = remat_extract.mirrored()
     calls = []
     extract = remat_extract._extract
 
@@ -240,6 +238,14 @@ def test_extraction_matches_pytorch(name: str, monkeypatch) -> None:
         "_extract_graph_with_inputs_outputs"  # put back after each partition
 
 
+def test_the_fast_path_runs_on_the_torch_it_mirrors() -> None:
+    """autosp.remat_extract mirrors torch 2.13.0's helpers to the letter; on that torch the fast
+    path must run (a source that changed in a patch release falls back, and shows here)."""
+    if torch.__version__.split("+")[0] != "2.13.0":
+        pytest.skip(f"torch {torch.__version__}: PyTorch's own extraction runs")
+    assert remat_extract.mirrored()
+
+
 def test_a_second_extraction_from_the_same_inputs_matches_pytorch() -> None:
     """PyTorch's second backward extraction may take the same inputs in another order (symbolic
     sizes that bind a symbol first, tensors saved without a version check last): the first
@@ -247,7 +253,7 @@ def test_a_second_extraction_from_the_same_inputs_matches_pytorch() -> None:
     from torch._functorch import partitioners
 
     original = partitioners._extract_graph_with_inputs_outputs
-    if tuple(inspect.signature(original).parameters) != remat_extract._MIRRORED:
+    if not remat_extract.mirrored():
         pytest.skip("torch's extraction is not the one autosp.remat_extract mirrors")
     joint, _, kwargs = _joints("llama-dynamic")[0]
     joint = _copy(joint)
@@ -270,3 +276,18 @@ def test_a_second_extraction_from_the_same_inputs_matches_pytorch() -> None:
         fewer = extract(joint.graph, inputs, outputs[:1], descs[:1], "backward", True)
     theirs = original(joint.graph, inputs, outputs[:1], descs[:1], "backward", True)
     assert _described(fx.GraphModule(joint, fewer)) == _described(fx.GraphModule(joint, theirs))
+
+
+def test_another_torch_gets_pytorchs_own_extraction(monkeypatch) -> None:
+    """Where PyTorch's helpers are not the ones mirrored (another torch release), the partition
+    runs PyTorch's extraction: nothing of autosp.remat_extract is called, and PyTorch's
+    function is in place afterwards."""
+    from torch._functorch import partitioners
+
+    original = partitioners._extract_graph_with_inputs_outputs
+    monkeypatch.setattr(remat_extract, "mirrored", lambda: False)
+    monkeypatch.setattr(remat_extract, "_extract", None)  # fails if called
+    joint, joint_inputs, kwargs = _joints("llama")[0]
+    fw, bw = remat.make_partition_fn("default")(_copy(joint), joint_inputs, **kwargs)
+    assert fw.graph.find_nodes(op="placeholder") and bw.graph.find_nodes(op="placeholder")
+    assert partitioners._extract_graph_with_inputs_outputs is original

@@ -13,15 +13,18 @@ graph it built from the same inputs rather than building it again (:func:`_built
 Everything else, the saved-value conventions included, stays PyTorch's. Its graphs are
 PyTorch's: the same nodes, order, names, metadata and namespace (``tests/test_remat_graphs.py``).
 
-Used where PyTorch's function has the signature this mirrors (torch 2.13); elsewhere PyTorch's
-own runs, as it does for a graph with nodes of a kind not mirrored here, or an output the inputs
-cannot compute (PyTorch then looks for a replacement)."""
+Used where PyTorch's three functions are, to the letter, the ones mirrored (torch 2.13.0's,
+:func:`mirrored`); elsewhere PyTorch's own runs, as it does for a graph with nodes of a kind not
+mirrored here, or an output the inputs cannot compute (PyTorch then looks for a
+replacement)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import functools
+import hashlib
 import inspect
 import threading
 from typing import Any, Callable, Iterator
@@ -31,9 +34,30 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 # The parameters of the PyTorch function mirrored here.
-_MIRRORED = ("joint_graph", "inputs", "outputs", "outputs_descs", "subgraph",
-             "ignore_must_be_in_fw_bw")
+# The PyTorch functions this relies on, by the hash of their source as mirrored (torch 2.13.0):
+# the extraction itself, and its two callers, which read a first graph only before asking for
+# a second from the same inputs (the extension in _build). Another source runs PyTorch's own.
+_MIRRORED = {
+    "_extract_graph_with_inputs_outputs": {"ccb91fdf1d9e9e39"},
+    "_extract_fwd_bwd_modules": {"06d2d976916e85d8"},
+    "classify_nodes": {"256f486422341dfe"},
+}
 _lock = threading.RLock()
+
+
+@functools.lru_cache(maxsize=None)
+def mirrored() -> bool:
+    """Whether this torch's partitioner helpers are the ones :func:`_extract` mirrors."""
+    from torch._functorch import partitioners
+
+    for name, hashes in _MIRRORED.items():
+        try:
+            source = inspect.getsource(getattr(partitioners, name))
+        except (AttributeError, OSError, TypeError):
+            return False
+        if hashlib.sha256(source.encode()).hexdigest()[:16] not in hashes:
+            return False
+    return _DIRECT
 
 
 def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: list[fx.Node],
@@ -64,7 +88,7 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
                 or node.is_impure(impure_random):
             kept.add(node)
 
-    unique = _DIRECT and len(given) == len(inputs)
+    unique = len(given) == len(inputs)
     built = earlier if unique and earlier is not None and earlier.kept <= kept else None
     if built is None:
         built = _Built(joint_graph, subgraph, ignore_must_be_in_fw_bw, given, valid, set(), {},
@@ -161,7 +185,6 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
         graph.erase_node(old_output)
     # Nodes are made with the names PyTorch's copy gives them (the joint graph's), and the
     # namespace is replayed after.
-    copy_node = _copy if _DIRECT else _node_copy  # without the internals, never extended
     for node in inputs:
         placeholder = env.get(node)
         if placeholder is None:
@@ -180,7 +203,7 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
             continue
         copied = env.get(node)
         if copied is None:
-            copied = env[node] = copy_node(graph, node, env.__getitem__)
+            copied = env[node] = _copy(graph, node, env.__getitem__)
             if prev._next is not copied:
                 prev.append(copied)
         prev = copied
@@ -227,17 +250,13 @@ def _copy(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> 
     return new
 
 
-def _node_copy(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
-    return graph.node_copy(node, arg)
-
-
 @contextlib.contextmanager
 def fast_extraction() -> Iterator[None]:
     """Within it, PyTorch's partitioner helpers extract subgraphs with :func:`_extract`."""
     from torch._functorch import partitioners
 
     original = partitioners._extract_graph_with_inputs_outputs
-    if tuple(inspect.signature(original).parameters) != _MIRRORED:
+    if not mirrored():
         yield
         return
 
