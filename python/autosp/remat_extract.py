@@ -33,7 +33,8 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-# The parameters of the PyTorch function mirrored here.
+from autosp.errors import AutospError
+
 # The PyTorch functions this relies on, by the hash of their source as mirrored (torch 2.13.0):
 # the extraction itself, and its two callers, which read a first graph only before asking for
 # a second from the same inputs (the extension in _build). Another source runs PyTorch's own.
@@ -68,6 +69,8 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
                         ignore_must_be_in_fw_bw)
 
     given = set(inputs)
+    if len(given) != len(inputs):
+        return theirs()  # an input twice: PyTorch makes two placeholders, the first unused
     earlier = _built_from(joint_graph, given, subgraph, ignore_must_be_in_fw_bw)
     valid = earlier.valid if earlier is not None else _computed(
         joint_graph, given, subgraph, ignore_must_be_in_fw_bw)
@@ -88,12 +91,11 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
                 or node.is_impure(impure_random):
             kept.add(node)
 
-    unique = len(given) == len(inputs)
-    built = earlier if unique and earlier is not None and earlier.kept <= kept else None
+    built = earlier if earlier is not None and earlier.kept <= kept else None
     if built is None:
         built = _Built(joint_graph, subgraph, ignore_must_be_in_fw_bw, given, valid, set(), {},
                        fx.Graph())
-        if _built is not None and unique:
+        if _built is not None:
             _built.append(built)
     return _build(built, inputs, kept, outputs, outputs_descs)
 
@@ -216,7 +218,8 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
         name = namespace.create_name(node.name, None)
         if node in kept:
             if name != env[node].name:  # cannot happen: the joint graph's names are unique
-                raise AssertionError(f"[remat] extraction renamed {env[node].name} to {name}")
+                raise AutospError(f"[remat] extracting a subgraph renamed {env[node].name} to "
+                                  f"{name}; autosp bug")
             namespace.associate_name_with_obj(name, env[node])
     graph._graph_namespace = namespace
     values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
