@@ -1,7 +1,7 @@
 """Facts about a joint forward+backward graph for the remat solver: each node's kind (PyTorch's
 op types), FLOPs (``autosp.remat_flops``), bytes at the real sequence length, save cost and
-decoder layer (``gather_facts``). Re-exported by ``autosp.remat``; the collective namespaces are shared with
-``autosp.plan_memory_graph``."""
+decoder layer (``gather_facts``). Re-exported by ``autosp.remat``; the collective namespaces are
+shared with ``autosp.plan_memory_graph``."""
 
 from __future__ import annotations
 

@@ -76,16 +76,14 @@ def node_flops(node: fx.Node, kind: Any, name: str, size: SizeFn = _hint,
     `size` that evaluates S at another length. ``cache`` keeps a formula's answer per op and
     argument shapes, for one graph's nodes at one `size`: repeated layers repeat their
     matmuls."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if not has_flops(node, kind):
         return 0.0
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import flop_registry
 
     formula = flop_registry.get(node.target.overloadpacket)
-    if formula is None:
-        if kind == _core.RematOpKind.ATTENTION:
-            return _attention_flops(node, name, size)
-        return 0.0
+    if formula is None:  # attention
+        return _attention_flops(node, name, size)
 
     def value(a: Any) -> Any:
         return _hinted_meta(a.meta.get("val"), size) if isinstance(a, fx.Node) else a
