@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from autosp.errors import AutospError
+from autosp.remat_graphs import NameReplay
 
 # The PyTorch functions this relies on, by the hash of their source as mirrored (torch 2.13.0):
 # the extraction itself, and its two callers, which read a first graph only before asking for
@@ -178,8 +179,6 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
     nodes in the joint graph's order, and the output; into ``b.graph``, which holds the copies
     of ``b.kept`` already (nothing at first). Its namespace is the one PyTorch's copy, node by
     node, would end with: every node the inputs compute took its name, kept or not."""
-    from torch.fx.graph import _Namespace
-
     graph, env = b.graph, b.env
     table = graph._find_nodes_lookup_table
     old_output = next(iter(graph.find_nodes(op="output")), None)
@@ -191,7 +190,7 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
         placeholder = env.get(node)
         if placeholder is None:
             placeholder = env[node] = graph.placeholder(node.name)
-            placeholder.meta = node.meta
+            object.__setattr__(placeholder, "meta", node.meta)  # as _copy does
         else:  # to the new order
             table.remove(placeholder)
             table.insert(placeholder)
@@ -211,17 +210,17 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
         prev = copied
     b.kept = set(kept)
 
-    namespace = _Namespace()
+    replay = NameReplay()
     for node in inputs:
-        namespace.associate_name_with_obj(namespace.create_name(node.name, None), env[node])
+        replay.namespace._obj_to_name[env[node]] = replay.create_name(node.name)
     for node in b.valid:
-        name = namespace.create_name(node.name, None)
+        name = replay.create_name(node.name)
         if node in kept:
             if name != env[node].name:  # cannot happen: the joint graph's names are unique
                 raise AutospError(f"[remat] extracting a subgraph renamed {env[node].name} to "
                                   f"{name}; autosp bug")
-            namespace.associate_name_with_obj(name, env[node])
-    graph._graph_namespace = namespace
+            replay.namespace._obj_to_name[env[node]] = name
+    graph._graph_namespace = replay.namespace
     values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
     out = graph.output(tuple(values))
     out.meta["desc"] = outputs_descs
@@ -249,7 +248,9 @@ def _copy(graph: fx.Graph, node: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> 
     graph._insert(new)
     graph._find_nodes_lookup_table.insert(new)
     graph._len += 1
-    new.meta = copy.copy(node.meta)
+    # Not through Node.__setattr__, which takes the node out of the find_nodes table and puts
+    # it back at the end, where it is already.
+    object.__setattr__(new, "meta", copy.copy(node.meta))
     return new
 
 
@@ -269,9 +270,10 @@ def fast_extraction() -> Iterator[None]:
     global _built, _placed
     with _lock:
         partitioners._extract_graph_with_inputs_outputs = extract
-        outer, _built, outer_placed, _placed = _built, [], _placed, {}
+        outer = _built, _placed
+        _built, _placed = [], {}
         try:
             yield
         finally:
             partitioners._extract_graph_with_inputs_outputs = original
-            _built, _placed = outer, outer_placed
+            _built, _placed = outer

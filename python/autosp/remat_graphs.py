@@ -4,8 +4,12 @@ layers a copy costs ~0.1 s (FX validates every argument of every node it creates
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.fx as fx
+
+from autosp.errors import AutospError
 
 
 def reorder_like_autograd(gm: fx.GraphModule) -> fx.GraphModule:
@@ -19,7 +23,6 @@ def reorder_like_autograd(gm: fx.GraphModule) -> fx.GraphModule:
     A graph with ``get_attr`` nodes goes to PyTorch's pass (its new module keeps only the
     attributes the new graph reads)."""
     from torch._functorch import partitioners
-    from torch.fx.graph import _Namespace
 
     graph = gm.graph
     if graph.find_nodes(op="get_attr"):
@@ -63,15 +66,66 @@ def reorder_like_autograd(gm: fx.GraphModule) -> fx.GraphModule:
         if prev._next is not node:
             prev.append(node)
         prev = node
-    namespace = _Namespace()
-    for node in new_order:
-        name = namespace.create_name(node.name, None)
-        if name != node.name:  # cannot happen: the names were unique in one namespace
-            raise AssertionError(f"[remat] reorder renamed {node.name} to {name}")
-        namespace.associate_name_with_obj(name, node)
-    graph._graph_namespace = namespace
+    replay_namespace(graph, new_order)
     gm.recompile()
     return gm
+
+
+class NameReplay:
+    """A fresh namespace (``torch.fx.graph._Namespace``) filled as ``create_name(name, None)``
+    calls in turn would fill it, for names already unique in one graph (the joint graph's, or
+    the graph's own), without FX's regular expression per name: a name's base and number are
+    parsed once per process (``_PARSED``) and replayed ~5 times per partition. A name FX would
+    rename (used already, or a keyword or builtin) goes through FX's own ``create_name``."""
+
+    def __init__(self) -> None:
+        from torch.fx.graph import _illegal_names, _Namespace
+
+        self.namespace = _Namespace()
+        self.used, self.counts = self.namespace._used_names, self.namespace._base_count
+        self.illegal = _illegal_names
+
+    def create_name(self, name: str) -> str:
+        parsed = _PARSED.get(name)
+        if parsed is None:
+            parsed = _parse(name)
+        if parsed is False or name in self.used or name in self.illegal:
+            return self.namespace.create_name(name, None)
+        base, num = parsed
+        self.counts[base] = self.counts.get(base, 0) if num is None else num
+        self.used.add(name)
+        return name
+
+    def add(self, node: fx.Node) -> None:
+        """``node`` under its own name, which must stay its name."""
+        name = self.create_name(node.name)
+        if name != node.name:  # cannot happen: the names were unique in one namespace
+            raise AutospError(f"[remat] replaying a graph's namespace renamed {node.name} to "
+                              f"{name}; autosp bug")
+        self.namespace._obj_to_name[node] = name
+
+
+_PARSED: dict[str, tuple[str, int | None] | bool] = {}
+
+
+def _parse(name: str) -> tuple[str, int | None] | bool:
+    from torch.fx.graph import _name_regex
+
+    if len(_PARSED) > 1 << 18:
+        _PARSED.clear()
+    match = _name_regex.match(name)
+    number = match and match.group(2)
+    parsed = _PARSED[name] = False if match is None else (
+        match.group(1), int(number) if number is not None else None)
+    return parsed
+
+
+def replay_namespace(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Gives ``graph`` the namespace a copy making ``nodes`` in turn would end with."""
+    replay = NameReplay()
+    for node in nodes:
+        replay.add(node)
+    graph._graph_namespace = replay.namespace
 
 
 class _NotSimple(Exception):
@@ -127,7 +181,6 @@ def cse_in_place(gm: fx.GraphModule) -> bool:
     from torch._functorch.compile_utils import get_aten_target, rand_ops
     from torch._inductor.pattern_matcher import compute_mutation_region_ids, same_mutation_regions
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    from torch.fx.graph import _Namespace
 
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -184,10 +237,7 @@ def cse_in_place(gm: fx.GraphModule) -> bool:
         elif holder is None:
             holders[hashed] = (n, token)
     if erased:
-        namespace = _Namespace()
-        for node in graph.nodes:
-            namespace.associate_name_with_obj(namespace.create_name(node.name, None), node)
-        graph._graph_namespace = namespace
+        replay_namespace(graph, graph.nodes)
         gm.recompile()
     return True
 
