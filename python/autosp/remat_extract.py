@@ -89,7 +89,7 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
     kept: set[fx.Node] = set()
     for node in reversed(valid):
         if node in needed or any(user in kept for user in node.users) \
-                or node.is_impure(impure_random):
+                or _is_impure(node, impure_random):
             kept.add(node)
 
     built = earlier if earlier is not None and earlier.kept <= kept else None
@@ -99,6 +99,20 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
         if _built is not None:
             _built.append(built)
     return _build(built, inputs, kept, outputs, outputs_descs)
+
+
+def _is_impure(node: fx.Node, impure_random: bool) -> bool:
+    """``node.is_impure(impure_random)``, asked once per op overload in a partition: for one,
+    torch 2.13's answer reads the op's schema, tags and effects, not the node's arguments."""
+    target = node.target
+    key = (target if node.op == "call_function" and type(target) is torch._ops.OpOverload
+           else node, impure_random)
+    impure = _impure.get(key) if _impure is not None else None
+    if impure is None:
+        impure = node.is_impure(impure_random)
+        if _impure is not None:
+            _impure[key] = impure
+    return impure
 
 
 def _computed(joint_graph: fx.Graph, given: set[fx.Node], subgraph: str | None,
@@ -154,6 +168,7 @@ class _Built:
 
 _built: list[_Built] | None = None
 _placed: dict[fx.Node, tuple[bool, bool]] | None = None
+_impure: dict[tuple[Any, bool], bool] | None = None
 
 
 def _built_from(joint_graph: fx.Graph, given: set[fx.Node], subgraph: str | None,
@@ -267,13 +282,13 @@ def fast_extraction() -> Iterator[None]:
     def extract(*args: Any, **kwargs: Any) -> fx.Graph:
         return _extract(original, *args, **kwargs)
 
-    global _built, _placed
+    global _built, _placed, _impure
     with _lock:
         partitioners._extract_graph_with_inputs_outputs = extract
-        outer = _built, _placed
-        _built, _placed = [], {}
+        outer = _built, _placed, _impure
+        _built, _placed, _impure = [], {}, {}
         try:
             yield
         finally:
             partitioners._extract_graph_with_inputs_outputs = original
-            _built, _placed = outer
+            _built, _placed, _impure = outer

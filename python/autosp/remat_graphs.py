@@ -137,18 +137,26 @@ _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.l
            torch.memory_format, type(Ellipsis))
 _IMMUTABLE_LIST = fx.immutable_collections.immutable_list
 _IMMUTABLE_DICT = fx.immutable_collections.immutable_dict
-_SEQUENCES = (tuple, list, _IMMUTABLE_LIST, torch.Size)
+_SEQUENCES = frozenset((tuple, list, _IMMUTABLE_LIST, torch.Size))
+_FLAT = frozenset((fx.Node, *_LEAVES))  # leaves by their exact type
 
 
 def _flatten(arg: object, leaves: list) -> object:
     """pytree's ``tree_flatten`` as PyTorch's CSE uses it (torch 2.13's registrations): appends
     the leaves to ``leaves`` and returns a key equal for equal tree specs."""
     t = type(arg)
-    if t is fx.Node or t in _LEAVES or isinstance(arg, torch._ops.OpOverload):
+    if t in _SEQUENCES:  # the common case first, a sequence's leaves without a call each
+        specs = []
+        for a in arg:  # type: ignore[union-attr]
+            if type(a) in _FLAT:
+                leaves.append(a)
+                specs.append(None)
+            else:
+                specs.append(_flatten(a, leaves))
+        return (t, tuple(specs))
+    if t in _FLAT or isinstance(arg, torch._ops.OpOverload):
         leaves.append(arg)
         return None
-    if t in _SEQUENCES:
-        return (t, tuple([_flatten(a, leaves) for a in arg]))  # type: ignore[union-attr]
     if t is dict or t is _IMMUTABLE_DICT:
         return (t, tuple(arg), tuple([_flatten(v, leaves)  # type: ignore[union-attr]
                                       for v in arg.values()]))  # type: ignore[union-attr]
