@@ -109,6 +109,9 @@ def _node_bytes(node: fx.Node) -> int:
 def _tensor_bytes(x: Any) -> int:
     if not isinstance(x, torch.Tensor):
         return 0
+    numel = x.numel()
+    if type(numel) is int:  # static sizes: their product
+        return numel * x.dtype.itemsize
     numel = 1
     for s in x.shape:
         numel *= s if type(s) is int else _hint(s)
@@ -204,6 +207,14 @@ def aliased_arg(node: Any) -> Any:
         if isinstance(value, fx.Node):
             return value
     return None
+
+
+def _may_alias(node: fx.Node) -> bool:
+    """Whether aliased_arg can find an input for a node of this op (a view's, an in-place op's):
+    else none for any of its nodes."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target._opname in ALIASING_WITHOUT_SCHEMA or bool(_aliased_positions(target)))
 
 
 def _alias_index(node: fx.Node, index: dict[fx.Node, int],
@@ -303,7 +314,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
     must_save_policy = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
 
     # What depends on the op alone (its kind, name, fusibility) is worked out once per op.
-    by_op: dict[Any, tuple[Any, str, bool, bool, bool]] = {}
+    by_op: dict[Any, tuple[Any, str, bool, bool, bool, bool]] = {}
     per_node = []
     for node in nodes:
         key = (node.op, node.target)
@@ -314,7 +325,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         if op is None:
             kind = _classify(node, op_types)
             op = (kind, _op_name(node), op_types.is_fusible(node),
-                  get_aten_target(node) == aten_cat, has_flops(node, kind))
+                  get_aten_target(node) == aten_cat, has_flops(node, kind), _may_alias(node))
             if key is not None:
                 by_op[key] = op
         per_node.append(op)
@@ -328,7 +339,7 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
 
     facts = []
     for i, node in enumerate(nodes):
-        kind, name, fusible, _, counted = per_node[i]
+        kind, name, fusible, _, counted, may_alias = per_node[i]
         f = _core.RematNode()
         f.name = node.name
         f.target = name
@@ -353,10 +364,11 @@ def gather_facts(joint_graph: fx.Graph, node_info: Any,
         # guards on a symbolic length (unknown: false).
         val = node.meta.get("val") if forward else None
         f.contiguous = isinstance(val, torch.Tensor) and _contiguous(val, contiguous)
-        users = sorted(index[u] for u in node.users if u in index)
+        users = sorted([index[u] for u in node.users if u in index])
         f.users = users
         f.fusible_user = [int(per_node[u][3] or (fusible and per_node[u][2])) for u in users]
         f.args = [index[a] for a in node.args if isinstance(a, fx.Node)]
-        f.aliases = _alias_index(node, index, region_aliases)
+        f.aliases = _alias_index(node, index, region_aliases) \
+            if may_alias or node in region_aliases else -1
         facts.append(f)
     return nodes, facts
