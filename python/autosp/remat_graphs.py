@@ -171,7 +171,11 @@ def _cse_token(node: fx.Node) -> tuple[object, tuple]:
     args: list = []
     kwargs: list = []
     args_spec = _flatten(node.args, args)
-    kwargs_spec = _flatten(node.kwargs, kwargs)
+    given = node.kwargs
+    if not given and (type(given) is _IMMUTABLE_DICT or type(given) is dict):
+        kwargs_spec: object = (type(given), (), ())  # as _flatten gives, most nodes have none
+    else:
+        kwargs_spec = _flatten(given, kwargs)
     hashed = hash((tuple([(a, type(a)) for a in args]), tuple([(a, type(a)) for a in kwargs])))
     return (node.target, hashed), (node.target, tuple(args), args_spec, tuple(kwargs),
                                    kwargs_spec)
