@@ -291,3 +291,55 @@ def test_another_torch_gets_pytorchs_own_extraction(monkeypatch) -> None:
     fw, bw = remat.make_partition_fn("default")(_copy(joint), joint_inputs, **kwargs)
     assert fw.graph.find_nodes(op="placeholder") and bw.graph.find_nodes(op="placeholder")
     assert partitioners._extract_graph_with_inputs_outputs is original
+
+
+def test_a_namespace_is_filled_when_first_used_and_as_fx_fills_it() -> None:
+    """An extracted graph's namespace (remat_graphs.LazyNamespace) is filled only when something
+    reads it: in a partition, graphs that are extended or reordered later never are. Once used
+    it names new nodes as PyTorch's graph does, and it copies as FX's own."""
+    import copy
+
+    from torch._functorch import partitioners
+    from torch.fx.graph import _Namespace
+
+    if not remat_extract.mirrored():
+        pytest.skip("torch's extraction is not the one autosp.remat_extract mirrors")
+    fills = []
+    namespace_of = remat_extract._namespace
+
+    def counted(*args):
+        fills.append(1)
+        return namespace_of(*args)
+
+    joint, joint_inputs, kwargs = _joints("llama")[0]
+    original = remat_extract._namespace
+    remat_extract._namespace = counted
+    try:
+        fw, bw = remat.make_partition_fn("default")(_copy(joint), joint_inputs, **kwargs)
+        assert fills == []  # four graphs extracted: two extended, the backward reordered
+        assert fw.graph._graph_namespace._used_names  # filled now
+        assert fills == [1]
+    finally:
+        remat_extract._namespace = original
+
+    # A node added later gets the name PyTorch's graph gives it.
+    graph = _copy(joint).graph
+    inputs = graph.find_nodes(op="placeholder")
+    output = graph.output_node()
+    outputs, descs = list(output.args[0]), output.meta.get("desc", [None] * len(output.args[0]))
+    with remat_extract.fast_extraction():
+        ours = partitioners._extract_graph_with_inputs_outputs(graph, inputs, outputs, descs,
+                                                                "backward", True)
+    theirs = partitioners._extract_graph_with_inputs_outputs(graph, inputs, outputs, descs,
+                                                              "backward", True)
+    assert type(ours._graph_namespace) is not _Namespace  # not filled yet
+    for g in (ours, theirs):
+        first = g.find_nodes(op="placeholder")[0]
+        with g.inserting_after(first):
+            g.call_function(torch.ops.aten.neg.default, (first,))
+            g.call_function(torch.ops.aten.mm.default, (first, first))
+    assert _described(fx.GraphModule(joint, ours)) == _described(fx.GraphModule(joint, theirs))
+    clone = copy.copy(ours._graph_namespace)
+    assert type(clone) is _Namespace
+    assert (clone._used_names, clone._base_count) == (
+        theirs._graph_namespace._used_names, theirs._graph_namespace._base_count)

@@ -31,10 +31,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx.graph import _Namespace
 from torch.fx.node import map_arg
 
 from autosp.errors import AutospError
-from autosp.remat_graphs import NameReplay
+from autosp.remat_graphs import LazyNamespace, NameReplay
 
 # The PyTorch functions this relies on, by the hash of their source as mirrored (torch 2.13.0):
 # the extraction itself, and its two callers, which read a first graph only before asking for
@@ -88,7 +89,7 @@ def _extract(original: Callable[..., fx.Graph], joint_graph: fx.Graph, inputs: l
         impure_random = torch._inductor.config.fallback_random
     kept: set[fx.Node] = set()
     for node in reversed(valid):
-        if node in needed or any(user in kept for user in node.users) \
+        if node in needed or not kept.isdisjoint(node.users) \
                 or _is_impure(node, impure_random):
             kept.add(node)
 
@@ -138,7 +139,7 @@ def _computed(joint_graph: fx.Graph, given: set[fx.Node], subgraph: str | None,
                 (subgraph != "backward" and must[0]) or (subgraph != "forward" and must[1])):
             invalid.add(node)
         elif op == "call_function":
-            if invalid and any(x in invalid for x in node._input_nodes):
+            if invalid and not invalid.isdisjoint(node._input_nodes):
                 invalid.add(node)
             else:
                 valid.append(node)
@@ -200,7 +201,7 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
     if old_output is not None:
         graph.erase_node(old_output)
     # Nodes are made with the names PyTorch's copy gives them (the joint graph's), and the
-    # namespace is replayed after.
+    # namespace is replayed when it is first used (:func:`_namespace`).
     for node in inputs:
         placeholder = env.get(node)
         if placeholder is None:
@@ -225,23 +226,40 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
         prev = copied
     b.kept = set(kept)
 
-    replay = NameReplay()
+    values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
+    if b.joint_graph.output_node().name != "output":  # a joint node may be named "output"
+        graph._graph_namespace = _namespace(b, list(inputs), b.kept, None)
+        out = graph.output(tuple(values))
+    else:  # the output is named "output", as PyTorch's is: the names it would see are unique
+        graph._graph_namespace = _Namespace()
+        out = graph.output(tuple(values))
+        graph._graph_namespace = LazyNamespace(
+            functools.partial(_namespace, b, list(inputs), b.kept, out))
+    out.meta["desc"] = outputs_descs
+    out.meta["output_stack_traces"] = [
+        v.meta.get("stack_trace") if isinstance(v, fx.Node) else None for v in values]
+    return graph
+
+
+def _namespace(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], output: fx.Node | None,
+               replay: NameReplay | None = None) -> Any:
+    """Fills ``replay`` (a fresh one if None) as PyTorch's copy, node by node, fills the graph's
+    namespace: every node the inputs compute took its name, kept or not, and then the output
+    (if given) its own."""
+    replay = replay or NameReplay()
+    namespace, env = replay.namespace, b.env
     for node in inputs:
-        replay.namespace._obj_to_name[env[node]] = replay.create_name(node.name)
+        namespace._obj_to_name[env[node]] = replay.create_name(node.name)
     for node in b.valid:
         name = replay.create_name(node.name)
         if node in kept:
             if name != env[node].name:  # cannot happen: the joint graph's names are unique
                 raise AutospError(f"[remat] extracting a subgraph renamed {env[node].name} to "
                                   f"{name}; autosp bug")
-            replay.namespace._obj_to_name[env[node]] = name
-    graph._graph_namespace = replay.namespace
-    values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
-    out = graph.output(tuple(values))
-    out.meta["desc"] = outputs_descs
-    out.meta["output_stack_traces"] = [
-        v.meta.get("stack_trace") if isinstance(v, fx.Node) else None for v in values]
-    return graph
+            namespace._obj_to_name[env[node]] = name
+    if output is not None:
+        replay.add(output)
+    return namespace
 
 
 def _has_internals() -> bool:

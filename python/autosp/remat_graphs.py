@@ -4,10 +4,11 @@ layers a copy costs ~0.1 s (FX validates every argument of every node it creates
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
+from torch.fx.graph import _Namespace
 
 from autosp.errors import AutospError
 
@@ -78,10 +79,14 @@ class NameReplay:
     parsed once per process (``_PARSED``) and replayed ~5 times per partition. A name FX would
     rename (used already, or a keyword or builtin) goes through FX's own ``create_name``."""
 
-    def __init__(self) -> None:
-        from torch.fx.graph import _illegal_names, _Namespace
+    def __init__(self, namespace: Any = None) -> None:
+        from torch.fx.graph import _illegal_names
 
-        self.namespace = _Namespace()
+        if namespace is None:
+            namespace = _Namespace()
+        else:  # a LazyNamespace being filled
+            _Namespace.__init__(namespace)
+        self.namespace = namespace
         self.used, self.counts = self.namespace._used_names, self.namespace._base_count
         self.illegal = _illegal_names
 
@@ -118,6 +123,32 @@ def _parse(name: str) -> tuple[str, int | None] | bool:
     parsed = _PARSED[name] = False if match is None else (
         match.group(1), int(number) if number is not None else None)
     return parsed
+
+
+class LazyNamespace(_Namespace):
+    """A namespace that ``fill`` fills through a :class:`NameReplay` when it is first used. A
+    graph extracted in a partition is often only read, or extended (which replaces its
+    namespace), or reordered (which replays it): then it is never filled."""
+
+    def __init__(self, fill: Callable[[NameReplay], None]) -> None:  # no state until used
+        self.__dict__["_fill"] = fill
+
+    def __getattr__(self, attr: str) -> Any:  # an attribute it does not have yet
+        pending = self.__dict__.pop("_fill", None)
+        if pending is None:
+            raise AttributeError(attr)
+        pending(NameReplay(self))
+        return getattr(self, attr)
+
+    def __reduce__(self) -> Any:  # copied (or pickled) as FX's own
+        return _plain_namespace, (self._obj_to_name, self._used_names, self._base_count)
+
+
+def _plain_namespace(obj_to_name: dict, used: set, counts: dict) -> Any:
+    namespace = _Namespace()
+    namespace._obj_to_name, namespace._used_names, namespace._base_count = \
+        obj_to_name, used, counts
+    return namespace
 
 
 def replay_namespace(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
