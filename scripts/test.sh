@@ -21,4 +21,4 @@ files=$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'python/src/*.cpp' 'tests/cpp/*.h' 
 clang-format --dry-run --Werror $files
 
 echo "== pytest"
-"$PY" -m pytest -q --durations=12 tests "$@"
+"$PY" -m pytest -q --durations=25 tests "$@"

@@ -334,6 +334,7 @@ def _grad_modes_worker(rank: int, world: int) -> tuple[str, str]:
         return _outcome(lambda: model(ids, labels))
 
 
+@pytest.mark.slow  # the explanation itself: test_recompile_limit_is_explained (default)
 def test_recompile_limit_reached_by_other_instances_is_explained() -> None:
     """The limit counts the graphs of one forward's code, so new instances of a model class
     reach it although each is called with one batch shape (a notebook rebuilding its model):

@@ -187,6 +187,8 @@ def test_resumed_metrics_drop_the_steps_run_again(tmp_path: Path) -> None:
     assert steps == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # the cheapest fit and its errors: test_remat_auto.py (default), and
+# TrainConfig's remat = "auto" path: test_remat_auto_gives_the_tiled_loss_the_fewest_chunks_that_fit
 def test_remat_auto_picks_the_cheapest_combination_that_fits() -> None:
     """``training.remat = "auto"``: autosp plan's cheapest combination (least recomputation
     and host-link time) whose predicted peak fits ``memory_gib``. With room to spare nothing
