@@ -24,6 +24,7 @@ Prints ratios; asserts nothing about absolute times. Example:
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import time
@@ -130,6 +131,8 @@ def bench_solver(num_layers: int, seq: int, repeat: int) -> None:
         best = math.inf
         for _ in range(repeat):
             joint_copy = fresh()
+            gc.collect()  # each run starts from the same collector state (a full collection
+            # falling inside one run and not another was most of the spread between runs)
             with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
                 start = time.perf_counter()
                 partition_fn(joint_copy, joint_inputs, **kwargs)
