@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import math
 import os
 import pickle
@@ -218,9 +219,9 @@ def _raise_rank_error(fn: Callable[..., Any], errors: list[_RankFailure]) -> Non
 
 
 def _context() -> Any:
-    """The ranks' start method: a fork server that has imported torch and autosp once. Each
-    rank is forked from it, a fresh process in which nothing has run: a rank group that does
-    nothing starts in 0.1 s against 4.5 s for spawned interpreters importing both anew, and
+    """The ranks' start method: a fork server that has imported torch and autosp once, and what
+    a first compile imports (``WARM_IMPORTS``). Each rank is forked from it, a fresh process in
+    which nothing has run: a rank group that does nothing starts in 0.1 s against 4.5 s for spawned interpreters importing both anew, and
     the suite starts some 300. Where the platform has no fork server, spawn. The environment
     is handed to each rank (:func:`_rank_main`): the server's is the one it started with.
     autosp reads its ``AUTOSP_*`` variables when called, not when imported; a variable torch
@@ -234,7 +235,7 @@ def _context() -> Any:
         if not spawn and sys.platform.startswith("linux") \
                 and "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["torch", "autosp", *_WARM_IMPORTS])
+            _CONTEXT.set_forkserver_preload(["torch", "autosp", *_importable(WARM_IMPORTS)])
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT
@@ -244,13 +245,25 @@ _CONTEXT: Any = None
 
 # What a rank's first compile imports, imported once by the fork server rather than by every
 # rank: AOTAutograd, PyTorch's partitioner (and networkx, which it imports), Inductor, sympy
-# and transformers. A rank's first compile then takes 0.4 s instead of 1.3 s on this machine
-# (a tiny model under aot_eager). Imports only: the server compiles nothing (Dynamo's counters
-# and caches stay empty in every rank) and starts no thread or pool. One not installed is
-# skipped by the fork server.
-_WARM_IMPORTS = ["torch._functorch.aot_autograd", "torch._functorch.partitioners", "networkx",
-                 "torch._inductor.compile_fx", "torch._inductor.codegen.cpp", "sympy",
-                 "transformers"]
+# and transformers. A first compile of a tiny model under aot_eager then takes 0.4 s in a rank
+# instead of 1.3 s on a 2-core machine. Imports only: the server compiles nothing, so Dynamo's
+# counters and caches start empty in every rank, and it starts no thread.
+WARM_IMPORTS = ("torch._functorch.aot_autograd", "torch._functorch.partitioners", "networkx",
+                "torch._inductor.compile_fx", "torch._inductor.codegen.cpp", "sympy",
+                "transformers")
+
+
+def _importable(names: tuple[str, ...]) -> list[str]:
+    """The modules of ``names`` this interpreter imports without an error (imported here too).
+    The fork server skips a preload that raises ImportError, and dies of any other error."""
+    importable = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # a missing or broken optional package: the ranks import it themselves
+            continue
+        importable.append(name)
+    return importable
 
 
 def _rank_main(

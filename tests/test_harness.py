@@ -84,3 +84,27 @@ def test_timeout_kills_ranks() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0(, 1)?\] of 2 did not finish within 4s"):
         run_ranks(2, _rank0_sleeps, timeout=4)
     assert time.monotonic() - start < 45, "ranks were not killed promptly after the timeout"
+
+
+def _preloaded_worker(rank: int, world_size: int) -> tuple[set[str], dict]:
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    import distributed
+
+    already = set(sys.modules)  # before this rank imports anything itself
+    return {n for n in distributed.WARM_IMPORTS if n not in already}, \
+        {k: dict(v) for k, v in counters.items() if v}
+
+
+def test_ranks_start_with_a_first_compiles_imports() -> None:
+    """Ranks forked from the fork server start with what a first compile imports
+    (distributed.WARM_IMPORTS), and Dynamo has compiled nothing in them."""
+    import distributed
+
+    if distributed._context().get_start_method() != "forkserver":
+        pytest.skip("ranks are spawned here, not forked from a fork server")
+    ((missing, compiled),) = run_ranks(1, _preloaded_worker)
+    assert not missing, f"not imported when the rank started: {sorted(missing)}"
+    assert not compiled, compiled

@@ -343,3 +343,61 @@ def test_a_namespace_is_filled_when_first_used_and_as_fx_fills_it() -> None:
     assert type(clone) is _Namespace
     assert (clone._used_names, clone._base_count) == (
         theirs._graph_namespace._used_names, theirs._graph_namespace._base_count)
+
+
+NAMES = ["add", "add_1", "add", "add_01", "mm_3", "mm", "mm_3", "list", "for", "input", "x_0",
+         "1abc", "a-b", "_", "output", "output_2", "getitem_12", "getitem_2", "sum_1", "sum"]
+
+
+@pytest.mark.parametrize("mirrored", [True, False])
+def test_a_name_replay_names_as_fx_does(mirrored: bool, monkeypatch) -> None:
+    """remat_graphs.NameReplay against FX's _Namespace.create_name, name by name: repeats,
+    leading zeros, keywords and builtins, names FX must clean; where FX's is not the one it
+    mirrors (another torch), FX's own names each."""
+    from torch.fx.graph import _Namespace
+
+    from autosp import remat_graphs
+
+    if mirrored and not remat_graphs._mirrors_create_name():
+        pytest.skip("FX's create_name is not the one NameReplay mirrors")
+    monkeypatch.setattr(remat_graphs, "_mirrors_create_name", lambda: mirrored)
+    replay, fx_namespace = remat_graphs.NameReplay(), _Namespace()
+    for name in NAMES:
+        assert replay.create_name(name) == fx_namespace.create_name(name, None), name
+        assert (replay.namespace._used_names, replay.namespace._base_count) == (
+            fx_namespace._used_names, fx_namespace._base_count), name
+
+
+def test_an_unfilled_namespace_holds_no_joint_graph_and_a_failed_fill_fails_again() -> None:
+    """The forward's namespace stays unfilled after a partition: it must not keep the joint
+    graph alive (it holds names and the forward's own nodes). A fill that raises leaves the
+    namespace unfilled, to raise again, not empty."""
+    import gc
+    import weakref
+
+    from autosp.remat_graphs import LazyNamespace
+
+    if not remat_extract.mirrored():
+        pytest.skip("torch's extraction is not the one autosp.remat_extract mirrors")
+    joint, joint_inputs, kwargs = _joints("llama")[0]
+    copy = _copy(joint)
+    joint_graph = weakref.ref(copy.graph)
+    fw, bw = remat.make_partition_fn("default")(copy, joint_inputs, **kwargs)
+    del copy
+    gc.collect()
+    assert type(fw.graph._graph_namespace) is LazyNamespace and \
+        "_fill" in vars(fw.graph._graph_namespace)
+    assert joint_graph() is None
+
+    calls = []
+
+    def fill(replay):
+        calls.append(1)
+        replay.create_name("x")
+        raise KeyError("a fill that fails")
+
+    namespace = LazyNamespace(fill)
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            namespace.create_name("y", None)
+    assert calls == [1, 1]

@@ -27,6 +27,7 @@ import functools
 import hashlib
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -156,7 +157,8 @@ def _computed(joint_graph: fx.Graph, given: set[fx.Node], subgraph: str | None,
 class _Built:
     """A graph :func:`_extract` built within one :func:`fast_extraction`, and what from: the
     joint graph, the subgraph asked for, the inputs, the nodes they compute (``valid``), the
-    nodes kept and each one's copy (``env``, the inputs' placeholders too)."""
+    nodes kept and each one's copy (``env``, the inputs' placeholders too), and the valid
+    nodes' names once asked for."""
     joint_graph: fx.Graph
     subgraph: str | None
     ignore: bool
@@ -165,6 +167,7 @@ class _Built:
     kept: set[fx.Node]
     env: dict[fx.Node, fx.Node]
     graph: fx.Graph
+    valid_names: list[str] | None = None
 
 
 _built: list[_Built] | None = None
@@ -227,36 +230,45 @@ def _build(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], outputs: list[A
     b.kept = set(kept)
 
     values = [env[x] if isinstance(x, fx.Node) else x for x in outputs]
-    if b.joint_graph.output_node().name != "output":  # a joint node may be named "output"
-        graph._graph_namespace = _namespace(b, list(inputs), b.kept, None)
+    if b.valid_names is None:
+        b.valid_names = [node.name for node in b.valid]
+    # What the namespace is filled from: names and this graph's nodes, not the joint graph's
+    # (a graph whose namespace is never filled does not keep the joint graph alive).
+    fill = functools.partial(_namespace, [(node.name, env[node]) for node in inputs],
+                             b.valid_names, weakref.ref(graph))
+    joint_output = next(iter(b.joint_graph.find_nodes(op="output")), None)
+    if joint_output is None or joint_output.name != "output":  # a node may be named "output"
+        graph._graph_namespace = fill(None, NameReplay())
         out = graph.output(tuple(values))
     else:  # the output is named "output", as PyTorch's is: the names it would see are unique
         graph._graph_namespace = _Namespace()
         out = graph.output(tuple(values))
-        graph._graph_namespace = LazyNamespace(
-            functools.partial(_namespace, b, list(inputs), b.kept, out))
+        graph._graph_namespace = LazyNamespace(functools.partial(fill, out))
     out.meta["desc"] = outputs_descs
     out.meta["output_stack_traces"] = [
         v.meta.get("stack_trace") if isinstance(v, fx.Node) else None for v in values]
     return graph
 
 
-def _namespace(b: _Built, inputs: list[fx.Node], kept: set[fx.Node], output: fx.Node | None,
-               replay: NameReplay | None = None) -> Any:
-    """Fills ``replay`` (a fresh one if None) as PyTorch's copy, node by node, fills the graph's
-    namespace: every node the inputs compute took its name, kept or not, and then the output
-    (if given) its own."""
-    replay = replay or NameReplay()
-    namespace, env = replay.namespace, b.env
-    for node in inputs:
-        namespace._obj_to_name[env[node]] = replay.create_name(node.name)
-    for node in b.valid:
-        name = replay.create_name(node.name)
-        if node in kept:
-            if name != env[node].name:  # cannot happen: the joint graph's names are unique
-                raise AutospError(f"[remat] extracting a subgraph renamed {env[node].name} to "
-                                  f"{name}; autosp bug")
-            namespace._obj_to_name[env[node]] = name
+def _namespace(inputs: list[tuple[str, fx.Node]], valid_names: list[str],
+               graph_ref: Callable[[], fx.Graph | None], output: fx.Node | None,
+               replay: NameReplay) -> Any:
+    """Fills ``replay`` as PyTorch's copy, node by node, fills the graph's namespace: the inputs'
+    placeholders, then every node the inputs compute, kept (a node of the graph by that name)
+    or not, and then the output (if given)."""
+    namespace = replay.namespace
+    graph = graph_ref()
+    copies = {n.name: n for n in graph.nodes} if graph is not None else {}
+    for name, placeholder in inputs:
+        namespace._obj_to_name[placeholder] = replay.create_name(name)
+    for name in valid_names:
+        given = replay.create_name(name)
+        copied = copies.get(name)
+        if copied is not None:
+            if given != name:  # cannot happen: the joint graph's names are unique
+                raise AutospError(f"[remat] extracting a subgraph renamed {name} to {given}; "
+                                  f"autosp bug")
+            namespace._obj_to_name[copied] = given
     if output is not None:
         replay.add(output)
     return namespace

@@ -4,6 +4,9 @@ layers a copy costs ~0.1 s (FX validates every argument of every node it creates
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
@@ -89,8 +92,11 @@ class NameReplay:
         self.namespace = namespace
         self.used, self.counts = self.namespace._used_names, self.namespace._base_count
         self.illegal = _illegal_names
+        self.mirrored = _mirrors_create_name()
 
     def create_name(self, name: str) -> str:
+        if not self.mirrored:
+            return self.namespace.create_name(name, None)
         parsed = _PARSED.get(name)
         if parsed is None:
             parsed = _parse(name)
@@ -113,6 +119,17 @@ class NameReplay:
 _PARSED: dict[str, tuple[str, int | None] | bool] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _mirrors_create_name() -> bool:
+    """Whether FX's ``_Namespace.create_name`` is torch 2.13.0's, which :class:`NameReplay`
+    mirrors (by the hash of its source); elsewhere (2.11, 2.12) FX's own names every node."""
+    try:
+        source = inspect.getsource(_Namespace.create_name)
+    except (OSError, TypeError):
+        return False
+    return hashlib.sha256(source.encode()).hexdigest()[:16] == "7116b6050a366754"
+
+
 def _parse(name: str) -> tuple[str, int | None] | bool:
     from torch.fx.graph import _name_regex
 
@@ -126,19 +143,35 @@ def _parse(name: str) -> tuple[str, int | None] | bool:
 
 
 class LazyNamespace(_Namespace):
-    """A namespace that ``fill`` fills through a :class:`NameReplay` when it is first used. A
-    graph extracted in a partition is often only read, or extended (which replaces its
-    namespace), or reordered (which replays it): then it is never filled."""
+    """A namespace that ``fill`` fills through a :class:`NameReplay` when it is first read or
+    written. A graph extracted in a partition is often only read, or extended (which replaces
+    its namespace), or reordered (which replays it): then it is never filled. A fill that
+    raises leaves it unfilled, to raise again at the next use."""
 
     def __init__(self, fill: Callable[[NameReplay], None]) -> None:  # no state until used
         self.__dict__["_fill"] = fill
 
-    def __getattr__(self, attr: str) -> Any:  # an attribute it does not have yet
+    def _filled(self) -> None:
         pending = self.__dict__.pop("_fill", None)
         if pending is None:
+            return
+        try:
+            pending(NameReplay(self))
+        except BaseException:
+            for attr in ("_obj_to_name", "_used_names", "_base_count"):
+                self.__dict__.pop(attr, None)
+            self.__dict__["_fill"] = pending
+            raise
+
+    def __getattr__(self, attr: str) -> Any:  # an attribute it does not have yet
+        if "_fill" not in self.__dict__:
             raise AttributeError(attr)
-        pending(NameReplay(self))
+        self._filled()
         return getattr(self, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        self._filled()
+        object.__setattr__(self, attr, value)
 
     def __reduce__(self) -> Any:  # copied (or pickled) as FX's own
         return _plain_namespace, (self._obj_to_name, self._used_names, self._base_count)
