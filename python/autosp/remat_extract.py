@@ -24,8 +24,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import hashlib
-import inspect
 import threading
 import weakref
 from typing import Any, Callable, Iterator
@@ -36,7 +34,7 @@ from torch.fx.graph import _Namespace
 from torch.fx.node import map_arg
 
 from autosp.errors import AutospError
-from autosp.remat_graphs import LazyNamespace, NameReplay
+from autosp.remat_graphs import LazyNamespace, NameReplay, source_is
 
 # The PyTorch functions this relies on, by the hash of their source as mirrored (torch 2.13.0):
 # the extraction itself, and its two callers, which read a first graph only before asking for
@@ -55,11 +53,7 @@ def mirrored() -> bool:
     from torch._functorch import partitioners
 
     for name, hashes in _MIRRORED.items():
-        try:
-            source = inspect.getsource(getattr(partitioners, name))
-        except (AttributeError, OSError, TypeError):
-            return False
-        if hashlib.sha256(source.encode()).hexdigest()[:16] not in hashes:
+        if not source_is(getattr(partitioners, name, None), hashes):
             return False
     return _DIRECT
 

@@ -123,11 +123,18 @@ _PARSED: dict[str, tuple[str, int | None] | bool] = {}
 def _mirrors_create_name() -> bool:
     """Whether FX's ``_Namespace.create_name`` is torch 2.13.0's, which :class:`NameReplay`
     mirrors (by the hash of its source); elsewhere (2.11, 2.12) FX's own names every node."""
+    return source_is(_Namespace.create_name, {"7116b6050a366754"})
+
+
+def source_is(fn: Any, hashes: set[str]) -> bool:
+    """Whether ``fn``'s source is one of those mirrored here, by the first 16 hex digits of its
+    sha256 (False where it has no source to read): a PyTorch internal this module or
+    autosp.remat_extract mirrors to the letter is used only where it is unchanged."""
     try:
-        source = inspect.getsource(_Namespace.create_name)
+        source = inspect.getsource(fn)
     except (OSError, TypeError):
         return False
-    return hashlib.sha256(source.encode()).hexdigest()[:16] == "7116b6050a366754"
+    return hashlib.sha256(source.encode()).hexdigest()[:16] in hashes
 
 
 def _parse(name: str) -> tuple[str, int | None] | bool:
