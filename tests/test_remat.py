@@ -4,6 +4,7 @@ sequence-aware saving order, collectives and random ops never recomputed, and us
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -314,6 +315,67 @@ def test_dynamic_sequence_length_uses_hints() -> None:
     short_ids, short_labels = _batch(SEQ // 2)
     compiled(short_ids, short_labels).backward()
     assert len(report.graphs) == 1
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_fake_tensor_cache_is_off_while_a_symbolic_joint_graph_is_traced(monkeypatch, dynamic,
+                                                                        eager_reference) -> None:
+    """Under aot_eager, AOTAutograd traces a graph of symbolic S with PyTorch's fake-tensor
+    cache off (it cost more than it saved: remat.symbolic_trace_uncached), and one of static
+    sizes with it on; the fake mode has its cache back after the compile, and both are exact.
+    Seen by the fake mode's switch when the partition function runs, inside the trace."""
+    from torch._guards import detect_fake_mode
+
+    seen: list[tuple[Any, bool]] = []
+    make = remat.make_partition_fn
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        partition = make(*args, **kwargs)
+
+        def spy(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
+            mode = detect_fake_mode(list(joint_inputs))
+            seen.append((mode, mode.cache_enabled))
+            return partition(joint, joint_inputs, **kw)
+
+        return spy
+
+    monkeypatch.setattr(remat, "make_partition_fn", spying)
+    ref_loss, ref_grads = eager_reference
+    model = _model()
+    ids, labels = _batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=remat.backend("sequence-aware", backend="aot_eager"),
+                             fullgraph=True, dynamic=dynamic)
+    if dynamic:
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(labels, 1)
+    loss, grads = _run(model, compiled, ids, labels)
+    _assert_close(loss, grads, ref_loss, ref_grads)
+    assert len(seen) == 1
+    mode, enabled_in_trace = seen[0]
+    assert enabled_in_trace is not dynamic
+    assert mode.cache_enabled  # back on after the compile
+
+
+def test_fake_tensor_cache_comes_back_when_the_trace_raises() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dyn = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC])
+    symbolic = mode.from_tensor(torch.zeros(2, 8), symbolic_context=dyn)
+    fixed = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC])
+    static = mode.from_tensor(torch.zeros(2, 8), symbolic_context=fixed)
+    assert isinstance(symbolic.shape[1], torch.SymInt) and mode.cache_enabled
+    assert all(type(d) is int for d in static.shape)
+    with remat.symbolic_trace_uncached([static]):
+        assert mode.cache_enabled
+    with pytest.raises(RuntimeError, match="trace failed"):
+        with remat.symbolic_trace_uncached([static, symbolic]):
+            assert not mode.cache_enabled
+            raise RuntimeError("trace failed")
+    assert mode.cache_enabled
 
 
 def test_symbolic_s_partitions_on_torch_2_11(monkeypatch, eager_reference) -> None:

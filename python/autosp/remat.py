@@ -62,6 +62,7 @@ import contextlib
 import hashlib
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from autosp.compile_cache import load_reports, marked_cacheable, report_key, save_reports, source_hash
@@ -150,6 +151,34 @@ class AutospRematPartitioner(_custom_partitioner_base()):  # type: ignore[misc]
         return self
 
 
+@contextlib.contextmanager
+def symbolic_trace_uncached(example_inputs: Sequence[Any]) -> Any:
+    """PyTorch's fake-tensor cache off while AOTAutograd traces a graph whose sizes are
+    symbolic, for the aot_eager backend.
+
+    Tracing the joint graph of a symbolic S, the cache costs more than it saves: each miss
+    builds an entry by synthesizing its output again (symbolic size and stride arithmetic),
+    and about half the lookups miss. Off, the first call of the 2-layer Llama under aot_eager
+    took 5.4 s against 6.3 s (docs/compile_time.md, "The fake-tensor cache"). With static
+    sizes the cache pays, and under Inductor its later passes hit it thousands of times, so
+    both keep it. The cache only saves work: what is traced is the same either way.
+    """
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(list(example_inputs))
+    symbolic = mode is not None and any(
+        isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+            isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs)
+    if not symbolic or not mode.cache_enabled:
+        yield
+        return
+    mode.cache_enabled = False
+    try:
+        yield
+    finally:
+        mode.cache_enabled = True
+
+
 def compile_joint(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -182,7 +211,7 @@ def compile_joint(
 
         from autosp.backend import eager_graph
 
-        with regions_known_pure(gm):
+        with regions_known_pure(gm), symbolic_trace_uncached(example_inputs):
             return aot_autograd(
                 fw_compiler=eager_graph,
                 bw_compiler=eager_graph,

@@ -278,16 +278,15 @@ def region_call_aliases(joint_graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 
 def _contiguous(val: torch.Tensor, cache: dict[Any, bool]) -> bool:
-    """PyTorch's ``is_contiguous_or_false`` (no guard on a symbolic size), kept per static sizes
-    and strides: the layers repeat them."""
+    """PyTorch's ``is_contiguous_or_false`` (no guard on a symbolic size), kept per sizes and
+    strides: the layers repeat them. A symbolic size is keyed by its expression, which the
+    answer depends on alone within one partition (one shape env)."""
     from torch._prims_common import is_contiguous_or_false
 
-    shape, stride = tuple(val.shape), tuple(val.stride())
-    if not all(type(s) is int for s in shape + stride):
-        return bool(is_contiguous_or_false(val))
-    found = cache.get((shape, stride))
+    key = tuple(s if type(s) is int else s.node.expr for s in (*val.shape, *val.stride()))
+    found = cache.get(key)
     if found is None:
-        found = cache[(shape, stride)] = bool(is_contiguous_or_false(val))
+        found = cache[key] = bool(is_contiguous_or_false(val))
     return found
 
 
