@@ -262,23 +262,33 @@ def _exchange(xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, gro
     """Scatter ``scatter_dim`` and gather ``gather_dim`` of every tensor in one
     all-to-all: chunk p of each tensor's scatter dim goes to rank p, and the chunks a rank
     receives are laid out along the gather dim in rank order."""
+    # Split, permute, copy once (contiguous) and view: under a symbolic S, reshape and flatten
+    # of a permuted tensor cost AOTAutograd's trace far more symbolic size arithmetic than these
+    # views of contiguous tensors (the styles batch: a quarter of a rank's compile, in here).
+    rank = xs[0].dim()
+    scatter_dim, gather_dim = scatter_dim % rank, gather_dim % rank
     parts = []
     metas = []
     for x in xs:
-        t = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0)  # [world, ...]
-        metas.append(t.shape[1:])
-        parts.append(t.reshape(world, -1))
+        sizes = list(x.shape)
+        t = x.view(sizes[:scatter_dim] + [world, sizes[scatter_dim] // world]
+                   + sizes[scatter_dim + 1:])
+        t = t.movedim(scatter_dim, 0).contiguous()  # [world, ...]
+        metas.append(list(t.shape[1:]))
+        parts.append(t.view(world, -1))
     flat = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    out = _wait(funcol.all_to_all_single(flat.contiguous(), None, None, group))
+    out = _wait(funcol.all_to_all_single(flat, None, None, group))
     sizes = [p.size(1) for p in parts]
     pieces = torch.split(out, sizes, dim=1) if len(parts) > 1 else [out]
     results = []
     for piece, shape in zip(pieces, metas):
-        t = piece.reshape((world,) + tuple(shape))  # [world(src), ...local...]
-        # Place the source-rank dim right before the gather dim and merge them.
-        t = t.movedim(0, gather_dim)
+        t = piece.view([world] + shape)  # [world(src), ...local...]
+        # Place the source-rank dim right before the gather dim, copy, and merge them.
         # Contiguous, as the single-device value it stands for (see local_chunk).
-        results.append(t.flatten(gather_dim, gather_dim + 1).contiguous())
+        t = t.movedim(0, gather_dim).contiguous()
+        merged = list(t.shape)
+        merged[gather_dim:gather_dim + 2] = [merged[gather_dim] * merged[gather_dim + 1]]
+        results.append(t.view(merged))
     return results
 
 
