@@ -185,9 +185,10 @@ def capture_joints(
                 applied = apply_plan(gm, bridge, sp_plan, ctx)  # a new graph: gm is kept
             captured.pop("joint", None)
             try:
-                aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                             partition_fn=partition,
-                             keep_inference_input_mutations=True)(applied, example_inputs)
+                with remat.symbolic_trace_uncached(example_inputs):
+                    aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                 partition_fn=partition,
+                                 keep_inference_input_mutations=True)(applied, example_inputs)
             except _Captured:
                 pass
             if "joint" not in captured:

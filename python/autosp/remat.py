@@ -154,12 +154,12 @@ class AutospRematPartitioner(_custom_partitioner_base()):  # type: ignore[misc]
 @contextlib.contextmanager
 def symbolic_trace_uncached(example_inputs: Sequence[Any]) -> Any:
     """PyTorch's fake-tensor cache off while AOTAutograd traces a graph whose sizes are
-    symbolic, for the aot_eager backend.
+    symbolic, for the aot_eager backend and for the planner's trace (autosp.plan_trace).
 
     Tracing the joint graph of a symbolic S, the cache costs more than it saves: each miss
     builds an entry by synthesizing its output again (symbolic size and stride arithmetic),
     and about half the lookups miss. Off, the first call of the 2-layer Llama under aot_eager
-    took 5.4 s against 6.3 s (docs/compile_time.md, "The fake-tensor cache"). With static
+    took 6.5-7.0 s against 6.9-8.2 s (docs/compile_time.md, "A symbolic S's trace"). With static
     sizes the cache pays, and under Inductor its later passes hit it thousands of times, so
     both keep it. The cache only saves work: what is traced is the same either way.
     """
