@@ -19,6 +19,7 @@ CASES = [
     ([(2, 4, 6, 3), (2, 2, 6, 3), (2, 2, 6, 3)], 1, 2, True),  # q, k, v fused, strided
     ([(3, 6, 2, 4, 5)], 3, 1, False),  # 5-D
     ([(2, 6, 4)], -1, -2, False),  # negative dims
+    ([(2, 6, 4), (3, 2, 6, 4)], -1, -2, False),  # negative dims, tensors of different ranks
     ([(4, 6)], 0, 1, False),  # the scatter dim first
 ]
 

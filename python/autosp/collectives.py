@@ -265,15 +265,13 @@ def _exchange(xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, gro
     # Split, permute, copy once (contiguous) and view: under a symbolic S, reshape and flatten
     # of a permuted tensor cost AOTAutograd's trace far more symbolic size arithmetic than these
     # views of contiguous tensors (the styles batch: a quarter of a rank's compile, in here).
-    rank = xs[0].dim()
-    scatter_dim, gather_dim = scatter_dim % rank, gather_dim % rank
     parts = []
     metas = []
     for x in xs:
         sizes = list(x.shape)
-        t = x.view(sizes[:scatter_dim] + [world, sizes[scatter_dim] // world]
-                   + sizes[scatter_dim + 1:])
-        t = t.movedim(scatter_dim, 0).contiguous()  # [world, ...]
+        sd = scatter_dim % x.dim()  # each tensor's own dims, negative ones too
+        t = x.view(sizes[:sd] + [world, sizes[sd] // world] + sizes[sd + 1:])
+        t = t.movedim(sd, 0).contiguous()  # [world, ...]
         metas.append(list(t.shape[1:]))
         parts.append(t.view(world, -1))
     flat = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
@@ -285,9 +283,10 @@ def _exchange(xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, gro
         t = piece.view([world] + shape)  # [world(src), ...local...]
         # Place the source-rank dim right before the gather dim, copy, and merge them.
         # Contiguous, as the single-device value it stands for (see local_chunk).
-        t = t.movedim(0, gather_dim).contiguous()
+        gd = gather_dim % len(shape)
+        t = t.movedim(0, gd).contiguous()
         merged = list(t.shape)
-        merged[gather_dim:gather_dim + 2] = [merged[gather_dim] * merged[gather_dim + 1]]
+        merged[gd:gd + 2] = [merged[gd] * merged[gd + 1]]
         results.append(t.view(merged))
     return results
 
