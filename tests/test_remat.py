@@ -610,6 +610,10 @@ def test_unreachable_budget_is_a_clear_error() -> None:
 # Inductor
 
 
+# 21 s of the default suite's 20 minutes. By default, Inductor's use of autosp's partitioner
+# (a report filled) and exactness through it are test_compile_cache.py's
+# test_second_process_hits_aot_autograds_cache_and_stays_exact (world 2, sequence-aware).
+@pytest.mark.slow
 def test_inductor_uses_the_partitioner() -> None:
     cfg = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=86, num_layers=1, num_heads=2,
