@@ -317,6 +317,22 @@ def test_dynamic_sequence_length_uses_hints() -> None:
     assert len(report.graphs) == 1
 
 
+def _exact_under_aot_eager(eager_reference: Any, dynamic: bool) -> None:
+    """The model compiled with the sequence-aware partitioner under aot_eager, S symbolic
+    (``dynamic``) or static: loss and gradients as eager."""
+    ref_loss, ref_grads = eager_reference
+    model = _model()
+    ids, labels = _batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=remat.backend("sequence-aware", backend="aot_eager"),
+                             fullgraph=True, dynamic=dynamic)
+    if dynamic:
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(labels, 1)
+    loss, grads = _run(model, compiled, ids, labels)
+    _assert_close(loss, grads, ref_loss, ref_grads)
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_fake_tensor_cache_is_off_while_a_symbolic_joint_graph_is_traced(monkeypatch, dynamic,
                                                                         eager_reference) -> None:
@@ -340,17 +356,7 @@ def test_fake_tensor_cache_is_off_while_a_symbolic_joint_graph_is_traced(monkeyp
         return spy
 
     monkeypatch.setattr(remat, "make_partition_fn", spying)
-    ref_loss, ref_grads = eager_reference
-    model = _model()
-    ids, labels = _batch()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=remat.backend("sequence-aware", backend="aot_eager"),
-                             fullgraph=True, dynamic=dynamic)
-    if dynamic:
-        torch._dynamo.mark_dynamic(ids, 1)
-        torch._dynamo.mark_dynamic(labels, 1)
-    loss, grads = _run(model, compiled, ids, labels)
-    _assert_close(loss, grads, ref_loss, ref_grads)
+    _exact_under_aot_eager(eager_reference, dynamic)
     assert len(seen) == 1
     mode, enabled_in_trace = seen[0]
     assert enabled_in_trace is not dynamic
@@ -385,16 +391,7 @@ def test_symbolic_s_partitions_on_torch_2_11(monkeypatch, eager_reference) -> No
     from torch._functorch import partitioners
 
     monkeypatch.delattr(partitioners, "_is_assert_only_symbool", raising=False)
-    ref_loss, ref_grads = eager_reference
-    model = _model()
-    ids, labels = _batch()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=remat.backend("sequence-aware", backend="aot_eager"),
-                             fullgraph=True, dynamic=True)
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(labels, 1)
-    loss, grads = _run(model, compiled, ids, labels)
-    _assert_close(loss, grads, ref_loss, ref_grads)
+    _exact_under_aot_eager(eager_reference, dynamic=True)
 
 
 def test_report_lists_layers() -> None:
