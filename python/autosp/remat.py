@@ -159,7 +159,7 @@ def symbolic_trace_uncached(example_inputs: Sequence[Any]) -> Any:
     Tracing the joint graph of a symbolic S, the cache costs more than it saves: each miss
     builds an entry by synthesizing its output again (symbolic size and stride arithmetic),
     and about half the lookups miss. Off, the first call of the 2-layer Llama under aot_eager
-    took 6.5-7.0 s against 6.9-8.2 s (docs/compile_time.md, "A symbolic S's trace"). With static
+    took 6.5-7.0 s against 7.0-8.2 s (docs/compile_time.md, "A symbolic S's trace"). With static
     sizes the cache pays, and under Inductor its later passes hit it thousands of times, so
     both keep it. The cache only saves work: what is traced is the same either way.
     """
