@@ -363,7 +363,7 @@ def test_fake_tensor_cache_is_off_while_a_symbolic_joint_graph_is_traced(monkeyp
     assert mode.cache_enabled  # back on after the compile
 
 
-def test_fake_tensor_cache_comes_back_when_the_trace_raises() -> None:
+def test_fake_tensor_cache_comes_back_as_it_was_also_when_the_trace_raises() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
@@ -382,6 +382,10 @@ def test_fake_tensor_cache_comes_back_when_the_trace_raises() -> None:
             assert not mode.cache_enabled
             raise RuntimeError("trace failed")
     assert mode.cache_enabled
+    mode.cache_enabled = False  # whoever turned it off gets it back off
+    with remat.symbolic_trace_uncached([symbolic]):
+        assert not mode.cache_enabled
+    assert not mode.cache_enabled
 
 
 def test_symbolic_s_partitions_on_torch_2_11(monkeypatch, eager_reference) -> None:

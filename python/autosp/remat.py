@@ -169,14 +169,15 @@ def symbolic_trace_uncached(example_inputs: Sequence[Any]) -> Any:
     symbolic = mode is not None and any(
         isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
             isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs)
-    if not symbolic or not mode.cache_enabled:
+    if not symbolic:
         yield
         return
+    was = mode.cache_enabled
     mode.cache_enabled = False
     try:
         yield
     finally:
-        mode.cache_enabled = True
+        mode.cache_enabled = was
 
 
 def compile_joint(
