@@ -79,7 +79,7 @@ def test_applied_graph_passes_aot_autograds_cacheability_check(name: str) -> Non
 def test_marked_functions_are_the_collectives_keyed_by_the_source_hash() -> None:
     marked = marked_cacheable()
     names = {f"{fn.__module__}.{fn.__name__}" for fn in graph_functions()}
-    assert {"autosp.collectives.local_chunk", "autosp.collectives.all_to_all",
+    assert {"autosp.chunks.local_chunk", "autosp.chunks.sharded_dropout", "autosp.collectives.all_to_all",
             "autosp.collectives.grad_sync", "autosp.collectives.check_index"} <= names
     assert all(marked[n] == source_hash() for n in names)
     assert not any(n.split(".")[-1].startswith("_") for n in names)

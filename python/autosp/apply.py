@@ -4,7 +4,8 @@ The plan is a core graph whose nodes either come from an FX node (``origin``), w
 possibly new operands and attribute updates, or are inserted SP ops. This module
 replays it: it copies FX nodes, substitutes operands at the recorded argument paths,
 rewrites size arguments the plan marks local, and emits the SP ops from
-``autosp.collectives``. It makes no decision of its own.
+``autosp.collectives`` (what communicates) and ``autosp.chunks`` (this rank's part, its
+sizes, its random draws). It makes no decision of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp import collectives, tiled_attention, tiled_loss, tiled_rows
+from autosp import chunks, collectives, tiled_attention, tiled_loss, tiled_rows
 from autosp.bridge import BridgeResult
 from autosp.apply_args import (current_reduction, node_loc, nodes_in, replaced_expr, rewrite_target, set_path,
                                set_reduction, to_mutable, to_tuples, unslice)
@@ -173,9 +174,9 @@ class _Replayer:
                 unit, offset = attrs.get("scale_unit", 1), attrs.get("scale_offset", 0)
                 if "scale_dim" in attrs:
                     nn = self.graph.call_function(
-                        collectives.global_size, (nn, attrs["scale_dim"], ctx.world, unit, offset, ctx.rank))
+                        chunks.global_size, (nn, attrs["scale_dim"], ctx.world, unit, offset, ctx.rank))
                 elif offset:
-                    nn = self.graph.call_function(collectives.global_extent, (nn, unit, offset, ctx.rank, ctx.world))
+                    nn = self.graph.call_function(chunks.global_extent, (nn, unit, offset, ctx.rank, ctx.world))
                 else:
                     nn = self.graph.call_function(operator.mul, (nn, ctx.world))
                 nn.meta = copy.copy(fxn.meta)
@@ -200,7 +201,7 @@ class _Replayer:
 
     def sharded_random(self, cn: Any, args: Any, kwargs: dict) -> fx.Node:
         """A random op on a sequence-sharded value, drawn at full length (see
-        collectives.sharded_dropout)."""
+        chunks.sharded_dropout)."""
         a = cn.attrs
         where = (a["random_dim"], a["random_outer"], a["random_inner"], self.ctx.rank, self.ctx.world)
         x = args[0] if args else kwargs.pop("input")
@@ -208,9 +209,9 @@ class _Replayer:
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
             # F.dropout(input, p, training) / torch.dropout(input, p, train)
             training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
-            return self.graph.call_function(collectives.sharded_dropout, (x, p, training) + where)
+            return self.graph.call_function(chunks.sharded_dropout, (x, p, training) + where)
         extra = {k: v for k, v in kwargs.items() if k in ("dtype", "device", "layout")}
-        return self.graph.call_function(collectives.sharded_random_like, (x, cn.op) + where, extra)
+        return self.graph.call_function(chunks.sharded_random_like, (x, cn.op) + where, extra)
 
     def localise_sizes(self, fxn: fx.Node, cn: Any, args: Any, kwargs: dict, dims: list[int]) -> tuple:
         name = target_name(fxn)
@@ -226,7 +227,7 @@ class _Replayer:
             args[1] = tuple(args[1].args[0])
         elif len(args) == 2 and isinstance(args[1], fx.Node) and isinstance(
                 args[1].meta.get("example_value", args[1].meta.get("val")), (tuple, list)):
-            # x.reshape(y.shape): a torch.Size value (global, see collectives.global_size);
+            # x.reshape(y.shape): a torch.Size value (global, see chunks.global_size);
             # take it apart to localise its entries. (x.reshape(b * s): one size, below.)
             n = len(args[1].meta.get("example_value", args[1].meta.get("val", ())))
             args[1] = tuple(self.graph.call_function(operator.getitem, (args[1], i)) for i in range(n))
@@ -239,10 +240,10 @@ class _Replayer:
             s = sizes[d]
             size = out_shape[d]
             if isinstance(s, fx.Node) and size.offset:
-                # unit * (S + offset) elements, split unevenly (collectives.chunk_bounds)
+                # unit * (S + offset) elements, split unevenly (chunks.chunk_bounds)
                 ctx = self.ctx
                 sizes[d] = self.graph.call_function(
-                    collectives.local_extent, (s, size.coef, size.offset, ctx.rank, ctx.world))
+                    chunks.local_extent, (s, size.coef, size.offset, ctx.rank, ctx.world))
             elif isinstance(s, fx.Node):
                 sizes[d] = self.graph.call_function(operator.floordiv, (s, self.ctx.world))
             elif isinstance(s, int) and s == -1:
@@ -271,7 +272,7 @@ class _Replayer:
         g = self.graph
         op = cn.op
         if op == "sp.slice":
-            node = g.call_function(collectives.local_chunk, (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank,
+            node = g.call_function(chunks.local_chunk, (ins[0], a["dim"], a["outer"], a["inner"], ctx.rank,
                                                              ctx.world, a.get("offset", 0)))
         elif op == "sp.halo":
             node = g.call_function(collectives.halo, (ins[0], a["dim"], a["left"], a["right"], a["last_pad"],

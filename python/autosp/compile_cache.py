@@ -5,8 +5,8 @@ work: AOTAutograd's cache (the joint trace, the partition, and the compiled forw
 backward) and Inductor's FX graph cache. Two things decide whether it can:
 
 - **autosp's functions in the graph.** The apply stage inserts calls to the SP ops of
-  :mod:`autosp.collectives` (``local_chunk``, ``grad_sync``, ...). AOTAutograd caches a graph
-  only when it can trust every function it calls to behave as its name says; for functions
+  :mod:`autosp.collectives` and :mod:`autosp.chunks` (``grad_sync``, ``local_chunk``, ...).
+  AOTAutograd caches a graph only when it can trust every function it calls to behave as its name says; for functions
   outside torch it needs a key, through ``torch._inductor.config.unsafe_marked_cacheable_functions``.
   :func:`marked_cacheable` gives each of them :func:`source_hash`, which is part of every cache
   key, so an autosp of other code never reads entries this one wrote.
@@ -48,12 +48,14 @@ def source_hash() -> str:
 
 
 def graph_functions() -> list[Callable]:
-    """The public functions of :mod:`autosp.collectives`: what the apply stage may insert into
-    a graph (the tiled ops are torch custom ops, which the caches accept by name)."""
-    from autosp import collectives
+    """The public functions of :mod:`autosp.collectives` and :mod:`autosp.chunks`: what the
+    apply stage may insert into a graph (the tiled ops are torch custom ops, which the caches
+    accept by name)."""
+    from autosp import chunks, collectives
 
-    return [fn for name, fn in inspect.getmembers(collectives, inspect.isfunction)
-            if fn.__module__ == collectives.__name__ and not name.startswith("_")]
+    return [fn for module in (collectives, chunks)
+            for name, fn in inspect.getmembers(module, inspect.isfunction)
+            if fn.__module__ == module.__name__ and not name.startswith("_")]
 
 
 def marked_cacheable() -> dict[str, str]:
