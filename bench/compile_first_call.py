@@ -17,7 +17,11 @@ Configurations: autosp.compile with ``dynamic=True`` (one graph for every S) and
 ``dynamic=False`` (planned on the symbolic trace, compiled for the call's static S); the
 hand-written Ulysses model (bench/ulysses_handwritten.py) under plain ``torch.compile`` with S
 static (torch.compile's default for an unmarked input) and with S marked dynamic. Ratios are
-printed against the hand-written model in the same mode. ``autosp-static-regions`` has Dynamo trace each class of
+printed against the hand-written model in the same mode. ``handwritten-traced-static`` is the
+hand-written model with its exchanges written in functional collectives, which
+``torch.compile`` traces (``traced_collectives=True``): one graph holds the whole step, as
+autosp's does, where the plain hand-written model runs its exchanges, their packing and the
+loss's all-reduce eagerly between its graphs. ``autosp-static-regions`` has Dynamo trace each class of
 layers once (autosp.dynamo_regions, PyTorch 2.13 and later); ``autosp-static-regions-every-layer``
 is the same compile with Dynamo tracing every layer. ``floor`` is ``torch.compile`` of a one-op
 function (``sin``, forward and backward) in the same process set-up: the least any first call
@@ -39,6 +43,7 @@ import time
 from typing import Any
 
 CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
+           "handwritten-traced-static",
            "autosp-static-regions", "autosp-static-regions-every-layer", "floor", "floor-precompile")
 
 
@@ -89,11 +94,12 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
                                   regions="-regions" in which)
         compiled(ids, ids).backward()
     else:
-        hand = UlyssesLlamaForCausalLM.from_model(model)
+        traced = which == "handwritten-traced-static"
+        hand = UlyssesLlamaForCausalLM.from_model(model, traced_collectives=traced)
         x = ids.clone()
         if which == "handwritten-dynamic":
             torch._dynamo.mark_dynamic(x, 1)
-        torch.compile(hand)(x, x).backward()  # as bench_sp.py compiles it
+        torch.compile(hand, fullgraph=traced)(x, x).backward()  # as bench_sp.py compiles it
     if device == "cuda":
         torch.cuda.synchronize()
     print(f"RESULT {time.perf_counter() - start:.3f} {metrics.generated_kernel_count}", flush=True)
@@ -154,6 +160,10 @@ def main() -> None:
     for mode in ("dynamic", "static"):
         ratio(f"autosp-{mode}", f"handwritten-{mode}", f"autosp / hand-written, S {mode}")
     ratio("autosp-static-regions", "handwritten-static", "autosp regions=True / hand-written, S static")
+    ratio("autosp-static-regions", "handwritten-traced-static",
+          "autosp regions=True / hand-written with traced exchanges (one graph), S static")
+    ratio("autosp-static", "handwritten-traced-static",
+          "autosp flat / hand-written with traced exchanges (one graph), S static")
     ratio("autosp-static", "autosp-dynamic", "autosp dynamic=False / dynamic=True")
     for mode in ("static", "dynamic"):
         ratio(f"handwritten-{mode}", "floor", f"hand-written, S {mode} / floor (a one-op torch.compile)")

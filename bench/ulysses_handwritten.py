@@ -19,6 +19,13 @@ rank of the SP group; by hand it
     loss = model(input_ids, labels)        # same full batch on every SP rank
     loss.backward()
     sync_sp_grads(model)                   # now .grad == single-device .grad
+
+By default its collectives are eager ``torch.distributed`` calls that ``torch.compile`` does
+not trace (graph breaks around them, as DeepSpeed-Ulysses runs them): the compute between them
+is compiled, the exchanges and their packing run eagerly. ``traced_collectives=True`` writes
+the same exchanges with functional collectives (``all_to_all_single_autograd``, ``all_reduce``)
+that ``torch.compile`` traces, so one graph holds the whole step, the exchanges' packing and
+the loss's reduction included, as autosp's does.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -130,6 +138,40 @@ def global_count(mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return count
 
 
+def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def traced_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``seq_to_heads`` with a functional all-to-all, which torch.compile traces (its backward
+    is the inverse exchange)."""
+    p = _group_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, _traced_group(group))
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+
+
+def traced_heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``heads_to_seq`` with a functional all-to-all."""
+    p = _group_size(group)
+    b, h, s_full, d = y.shape
+    send = y.reshape(b, h, p, s_full // p, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = funcol.all_to_all_single_autograd(send, None, None, _traced_group(group))
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, p * h, s_full // p, d)
+
+
+def traced_sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``sum_over_group`` with a functional all-reduce: the forward is the sum over the
+    group (``x - x.detach()`` is exactly 0), the backward the identity."""
+    total = funcol.all_reduce(x.detach(), "sum", _traced_group(group))
+    return x - x.detach() + total
+
+
+def traced_global_count(mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return funcol.all_reduce(mask.sum(), "sum", _traced_group(group))
+
+
 def kv_repeat_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     """How many times each KV head is repeated before the all-to-all so that the KV
     heads split evenly over ``sp_size`` ranks and every rank's query heads find
@@ -155,11 +197,21 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` with a hand-written Ulysses forward over ``group``."""
 
     def __init__(
-        self, cfg: LlamaConfig, group: dist.ProcessGroup | None = None, fuse_qkv: bool = True
+        self,
+        cfg: LlamaConfig,
+        group: dist.ProcessGroup | None = None,
+        fuse_qkv: bool = True,
+        traced_collectives: bool = False,
     ) -> None:
         super().__init__(cfg)
         self.group = group
         self.fuse_qkv = fuse_qkv
+        if traced_collectives:
+            self._seq_to_heads, self._heads_to_seq = traced_seq_to_heads, traced_heads_to_seq
+            self._sum_over_group, self._global_count = traced_sum_over_group, traced_global_count
+        else:
+            self._seq_to_heads, self._heads_to_seq = seq_to_heads, heads_to_seq
+            self._sum_over_group, self._global_count = sum_over_group, global_count
         self.sp_size = dist.get_world_size(group)
         self.sp_rank = dist.get_rank(group)
         self.kv_repeat = kv_repeat_factor(cfg.num_heads, cfg.num_kv_heads, self.sp_size)
@@ -170,9 +222,10 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         model: LlamaForCausalLM,
         group: dist.ProcessGroup | None = None,
         fuse_qkv: bool = True,
+        traced_collectives: bool = False,
     ) -> UlyssesLlamaForCausalLM:
         """A copy of ``model`` (same config and weights) that runs Ulysses over ``group``."""
-        sp_model = cls(model.config, group, fuse_qkv)
+        sp_model = cls(model.config, group, fuse_qkv, traced_collectives)
         sp_model.load_state_dict(model.state_dict())
         # The same device as model (load_state_dict copies into this CPU model; the rotary
         # table is a buffer outside the state dict).
@@ -183,9 +236,9 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.fuse_qkv:
             return (
-                seq_to_heads(q, self.group),
-                seq_to_heads(k, self.group),
-                seq_to_heads(v, self.group),
+                self._seq_to_heads(q, self.group),
+                self._seq_to_heads(k, self.group),
+                self._seq_to_heads(v, self.group),
             )
         # One all-to-all for q, k and v: per destination rank, its q, k and v heads.
         p = self.sp_size
@@ -199,7 +252,7 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
             ],
             dim=2,
         ).reshape(b, hq + 2 * hk, s, d)
-        local = seq_to_heads(packed, self.group)
+        local = self._seq_to_heads(packed, self.group)
         return local.split([hq // p, hk // p, hk // p], dim=1)
 
     def _attention(
@@ -217,7 +270,7 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
         )
-        out = heads_to_seq(out, self.group)
+        out = self._heads_to_seq(out, self.group)
         out = out.transpose(1, 2).reshape(bsz, chunk, -1)
         return attn.o_proj(out)
 
@@ -255,8 +308,8 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
-        count = global_count(shift_labels != IGNORE_INDEX, self.group)
-        return sum_over_group(local_sum / count, self.group)
+        count = self._global_count(shift_labels != IGNORE_INDEX, self.group)
+        return self._sum_over_group(local_sum / count, self.group)
 
 
 def sync_sp_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

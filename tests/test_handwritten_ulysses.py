@@ -31,8 +31,10 @@ VARIANTS = [(4, 4), (4, 2), (4, 1)]
 
 
 def _handwritten_worker(
-    rank: int, world_size: int, seq_len: int, fuse_qkv: bool
+    rank: int, world_size: int, seq_len: int, fuse_qkv: bool, traced: bool = False
 ) -> list[dict[str, Any]]:
+    import torch
+
     from ulysses_handwritten import UlyssesLlamaForCausalLM, kv_repeat_factor, sync_sp_grads
 
     out = []
@@ -41,8 +43,12 @@ def _handwritten_worker(
         model = build_model(cfg, MODEL_SEED)
         input_ids, labels = make_batch(cfg.vocab_size, 2, seq_len, BATCH_SEED)
         ref_loss, ref_grads = reference_loss_and_grads(model, input_ids, labels)
-        sp_model = UlyssesLlamaForCausalLM.from_model(model, fuse_qkv=fuse_qkv)
-        loss = sp_model(input_ids, labels)
+        sp_model = UlyssesLlamaForCausalLM.from_model(model, fuse_qkv=fuse_qkv,
+                                                      traced_collectives=traced)
+        # Traced, the whole step must be one graph (what compile_first_call.py measures).
+        run = (torch.compile(sp_model, backend="aot_eager", fullgraph=True) if traced
+               else sp_model)
+        loss = run(input_ids, labels)
         loss.backward()
         sync_sp_grads(sp_model)
         out.append(
@@ -59,10 +65,12 @@ def _handwritten_worker(
 
 
 @pytest.mark.parametrize(
-    ("world_size", "seq_len", "fuse_qkv"), [(2, 16, True), (4, 16, True), (2, 16, False)]
+    ("world_size", "seq_len", "fuse_qkv", "traced"),
+    [(2, 16, True, False), (4, 16, True, False), (2, 16, False, False), (2, 16, True, True)],
 )
-def test_handwritten_ulysses_is_exact(world_size: int, seq_len: int, fuse_qkv: bool) -> None:
-    results = run_ranks(world_size, _handwritten_worker, seq_len, fuse_qkv)
+def test_handwritten_ulysses_is_exact(world_size: int, seq_len: int, fuse_qkv: bool,
+                                      traced: bool) -> None:
+    results = run_ranks(world_size, _handwritten_worker, seq_len, fuse_qkv, traced)
     for rank, rank_results in enumerate(results):
         assert len(rank_results) == len(VARIANTS)
         for r in rank_results:
