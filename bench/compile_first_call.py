@@ -145,9 +145,9 @@ def main() -> None:
     print(f"first call (compile + forward + backward), Llama {args.layers} layers, S {args.seq}, "
           f"rank 0 of sp {args.sp} (fake process group), Inductor on {args.device}, "
           f"each in a fresh process", flush=True)
-    print(f"{'':<22}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
+    print(f"{'':<28}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
     for which, ((cold, kernels), (warm, _)) in results.items():
-        print(f"{which:<22}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")
+        print(f"{which:<28}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")
     def ratio(a: str, b: str, label: str) -> None:
         if a in results and b in results:
             (c, k), (w, _) = results[a]
