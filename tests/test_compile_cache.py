@@ -76,6 +76,25 @@ def test_applied_graph_passes_aot_autograds_cacheability_check(name: str) -> Non
     _applied_graph_cacheable(styles.ALL[name])
 
 
+def test_source_hash_is_taken_at_import_not_read_from_disk_at_the_first_compile() -> None:
+    """Found by a breaker (silent): the hash was read from disk at the first compile, so a
+    process that had loaded older code wrote its graphs under the newer code's key, and a later
+    process with the newer code loaded them (gradients 3x off with a bug in the old code's
+    backward). After ``import autosp`` the hash must not read any file."""
+    import subprocess
+    import sys
+
+    code = ("import autosp\n"
+            "from pathlib import Path\n"
+            "def boom(self): raise AssertionError(f'read {self} after import')\n"
+            "Path.read_bytes = boom\n"
+            "from autosp.compile_cache import source_hash, marked_cacheable\n"
+            "print(source_hash(), len(marked_cacheable()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == source_hash()
+
+
 def test_marked_functions_are_the_collectives_keyed_by_the_source_hash() -> None:
     marked = marked_cacheable()
     names = {f"{fn.__module__}.{fn.__name__}" for fn in graph_functions()}
@@ -102,6 +121,30 @@ def test_report_round_trips_and_a_missing_one_is_none(tmp_path: Any, monkeypatch
     assert load_reports("k" * 64) is None  # a partition reports at least one graph
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     assert report_key(gm, "a") != report_key(gm, "b")
+
+
+def test_report_key_tells_apart_the_static_lengths_a_graph_is_compiled_for() -> None:
+    """Found by a breaker: a static compile hands AOTAutograd static inputs for a graph whose
+    placeholders keep Dynamo's symbolic values; keyed by the placeholders, the report of S = 64
+    was read back for S = 32 (a 2.4x wrong model_flops, so MFU) when the graph takes no integer
+    input. The key is of what AOTAutograd is handed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    from autosp.compile_cache import STATIC_INPUTS
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dyn = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    traced = mode.from_tensor(torch.zeros(32, 2), symbolic_context=dyn)
+    gm.graph.find_nodes(op="placeholder")[0].meta["example_value"] = traced
+    short, long = [torch.zeros(32, 2)], [torch.zeros(64, 2)]
+    # Compiled with the length dynamic: one key for every length (the traced, symbolic sizes).
+    assert report_key(gm, "a", short) == report_key(gm, "a", long) == report_key(gm, "a")
+    gm.meta[STATIC_INPUTS] = True  # a copy compiled for static sizes (autosp.specialize)
+    assert report_key(gm, "a", short) != report_key(gm, "a", long)
+    assert report_key(gm, "a", short) == report_key(gm, "a", [torch.ones(32, 2)])
 
 
 def _report_step(training: bool) -> tuple[Any, float]:

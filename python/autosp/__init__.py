@@ -12,6 +12,13 @@ from autosp.api import backend, compile, init_mesh
 from autosp.offload_optimizer import OffloadOptimizer
 from autosp.shard import MixedPrecisionPolicy, fully_shard
 from autosp.errors import AutospError, AutospGatherWarning
+from autosp.compile_cache import source_hash as _source_hash
+
+# The code's hash that keys autosp's entries in PyTorch's compile caches, taken now, from the
+# files this process has just loaded: taken at the first compile, it would describe whatever
+# is on disk by then, and a process running older code could write its graphs under the newer
+# code's key (autosp.compile_cache.source_hash).
+_source_hash()
 
 __all__ = ["AutospError", "AutospGatherWarning", "MixedPrecisionPolicy", "OffloadOptimizer", "backend", "compile", "fully_shard",
            "init_mesh", "plan"]

@@ -36,7 +36,11 @@ _PACKAGE = Path(__file__).resolve().parent
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
     """A hash of autosp's code: every Python module of the package and the compiled core.
-    Computed once per process (about 5 ms)."""
+    Computed once per process (about 5 ms), when ``import autosp`` has loaded the package, and
+    read from memory after: a file changed on disk later (an edit while a job or a test
+    session runs) must not key the graphs this process makes from the code it loaded. The
+    modules autosp imports on first use (the planner, the trainer) are hashed as their files
+    were at ``import autosp``: one changed between then and its own import is not seen."""
     from autosp import _core
 
     h = hashlib.sha256()
@@ -79,19 +83,32 @@ def marked_cacheable() -> dict[str, str]:
 # (compile_joint).
 
 
-def report_key(gm: Any, partitioner_uuid: str) -> str:
+# In the meta of a graph compiled for static sizes (autosp.specialize): its placeholders keep
+# Dynamo's symbolic values, and the static inputs AOTAutograd is handed are what it is keyed by.
+STATIC_INPUTS = "autosp_static_inputs"
+
+
+def report_key(gm: Any, partitioner_uuid: str, example_inputs: Sequence[Any] | None = None) -> str:
     """The key of the reports of ``gm``'s partition: the partitioner's identity, the graph's
-    code and its inputs' types with their symbolic sizes (as the AOTAutograd cache keys a
-    graph compiled with a dynamic length: a hit at another length reads the report of the
-    compilation that made the entry)."""
+    code and its inputs' types with their sizes (as the AOTAutograd cache keys a graph
+    compiled with a dynamic length: a hit at another length reads the report of the
+    compilation that made the entry).
+
+    The sizes are the placeholders' traced values: symbolic for a dynamic length. A graph
+    compiled for static sizes (``gm.meta[STATIC_INPUTS]``, autosp.specialize) is keyed by
+    ``example_inputs``, the static inputs AOTAutograd is handed, since its placeholders keep
+    Dynamo's symbolic values: keyed by those, two lengths of a graph that takes no integer
+    input shared one report (found by a breaker: the report of S = 64 read back at S = 32)."""
     h = hashlib.sha256(partitioner_uuid.encode())
     h.update(gm.code.encode())
     for name, sub in gm.named_modules():  # regions' subgraphs (autosp.outline): their code too
         if sub is not gm and isinstance(sub, torch.fx.GraphModule):
             h.update(name.encode())
             h.update(sub.code.encode())
-    for node in gm.graph.find_nodes(op="placeholder"):
-        x = node.meta.get("example_value", node.meta.get("val"))
+    values = (list(example_inputs) if example_inputs is not None and gm.meta.get(STATIC_INPUTS)
+              else [n.meta.get("example_value", n.meta.get("val"))
+                    for n in gm.graph.find_nodes(op="placeholder")])
+    for x in values:
         if isinstance(x, torch.Tensor):
             h.update(repr((tuple(map(str, x.shape)), str(x.dtype), x.requires_grad)).encode())
         else:

@@ -244,7 +244,8 @@ def compile_joint(
 
     training = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
-    key = report_key(gm, partitioner.uuid()) if report is not None and training else None
+    key = (report_key(gm, partitioner.uuid(), example_inputs)
+           if report is not None and training else None)
     # With regions (autosp.outline), Inductor's reuse of a dead buffer's memory for a new one
     # gave wrong gradients to every layer but the last (measured: torch 2.13, CPU; remat none or
     # sequence-aware, tiled loss or not): the values a region returns for its backward may

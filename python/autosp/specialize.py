@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from autosp.compile_cache import STATIC_INPUTS
 from autosp.errors import AutospError
 
 #: A bound on the graphs one shape compiles from (autosp.backend makes each attempt change
@@ -114,6 +115,7 @@ class PerShapeCompiled:
 
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         gm, keep = self._copy(args, template)
+        gm.meta[STATIC_INPUTS] = True  # keys its remat report by these sizes (compile_cache)
         _forget_unbacked_bindings(gm)
         inputs = [fake_mode.from_tensor(args[i], static_shapes=True)
                   if isinstance(args[i], torch.Tensor) else args[i] for i in keep]
