@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from autosp.train import checkpoint as ckpt
+from distributed import run_ranks
 from test_cli import _autosp_command
 
 TINY = ["--nproc", "2", "--sp", "2", "--seq-len", "16", "--batch-size", "2", "--hidden-size", "32",
@@ -171,3 +173,27 @@ def test_bf16_runs_and_checks(tmp_path: Path, extra: list[str]) -> None:
     compares with the model in bf16 on one device (1% relative)."""
     proc = _train(tmp_path, "--steps", "1", "--dtype", "bfloat16", "--check", *extra)
     assert "check: first-step loss" in proc.stdout and ": OK" in proc.stdout, proc.stdout[-2000:]
+
+
+def _flops_worker(rank: int, world: int, with_report: list[bool]) -> float | None:
+    from autosp.remat_policy import GraphRematReport, RematReport
+    from autosp.train.loop import step_model_flops
+
+    report = RematReport()
+    if with_report[rank]:
+        report.graphs.append(GraphRematReport(
+            policy="none", saved_bytes=0, none_saved_bytes=0, budget_bytes=None,
+            recompute_flops=0.0, attention_flops=0.0, admitted_matmuls=0, solve_seconds=0.0,
+            flow_vertices=0, flow_edges=0, layers=(), nodes=(), model_flops=1000.0 * (rank + 1)))
+    return step_model_flops(report, 2, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("with_report", [[True, True], [True, False], [False, False]])
+def test_step_flops_are_reduced_on_every_rank_also_one_without_a_report(with_report) -> None:
+    """Found by a breaker: a rank whose compiled graph came from PyTorch's cache without
+    autosp's report skipped the FLOPs all-reduce the others entered, and the job hung after its
+    first step (10 minutes, then a timeout). Every rank reduces; a missing report makes the
+    FLOPs, and so the MFU, unknown (null), not 0."""
+    got = run_ranks(2, _flops_worker, with_report, timeout=60)
+    want = 2 * (1000.0 + 2000.0) if all(with_report) else None
+    assert got == [want, want]

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,17 @@ class _Preemption:
             signal.signal(s, h)
 
 
+def step_model_flops(report: Any, grad_accum: int, device: torch.device) -> float | None:
+    """The step's model FLOPs summed over all ranks, from each rank's report of its compiled
+    graph; None when some rank has none (its graph came from PyTorch's cache without the
+    report autosp keeps beside it). A collective: every rank calls it alike, also one without a
+    report (found by a breaker: only ranks with a report reduced, and the job hung)."""
+    mine = report.graphs[-1].model_flops * grad_accum if report.graphs else 0.0
+    flops = torch.tensor([mine, float(bool(report.graphs))], device=device, dtype=torch.float64)
+    dist.all_reduce(flops)
+    return float(flops[0].item()) if flops[1].item() == dist.get_world_size() else None
+
+
 def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: torch.device) -> int:
     import autosp
 
@@ -181,7 +193,10 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
 
     timer = StepTimer(device)
     peak_device = peak_tflops(device, cfg.metrics.peak_tflops)
-    step_flops = 0.0  # the step's model FLOPs over all ranks, known after the first compile
+    # The step's model FLOPs over all ranks, known after the first compile; None where a rank
+    # has no report of its graph (compiled elsewhere and loaded from a cache without it).
+    step_flops: float | None = None
+    flops_reduced = False
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * dp_size
     first_loss: float | None = None
     first_grad_norm: float | None = None
@@ -226,11 +241,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
         dist.all_reduce(total)
         peak = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        if not step_flops and flops_report.graphs:
-            flops = torch.tensor([flops_report.graphs[-1].model_flops * t.grad_accum],
-                                 device=device, dtype=torch.float64)
-            dist.all_reduce(flops)
-            step_flops = float(flops.item())
+        if not flops_reduced:
+            step_flops, flops_reduced = step_model_flops(flops_report, t.grad_accum, device), True
         seconds = timer.stop()
         mean_loss = total[0].item() / sp_size / n_targets
         if not math.isfinite(mean_loss):
@@ -246,8 +258,10 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
                    "tokens_per_s_per_device": tokens_per_step / seconds / world_size,
                    "peak_mem_bytes": int(peak.item()), "compiling": step == start,
                    "model_flops": step_flops,
-                   "tflops_per_device": step_flops / seconds / world_size / 1e12}
-            rec["mfu"] = rec["tflops_per_device"] / peak_device if peak_device else None
+                   "tflops_per_device": (None if step_flops is None
+                                         else step_flops / seconds / world_size / 1e12)}
+            rec["mfu"] = (rec["tflops_per_device"] / peak_device
+                          if peak_device and step_flops is not None else None)
             log.write(rec)
             print(progress_line(rec, t.steps) + ("  (includes compilation)" if step == start else ""),
                   flush=True)

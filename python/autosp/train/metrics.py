@@ -9,7 +9,9 @@ ranks: CUDA's peak allocated memory, or on CPU the process's peak resident set).
 the compiled graph, counted by the same formulas the remat solver uses (PyTorch's FLOP
 formulas, attention by its own), recomputation not included; ``tflops_per_device`` divides
 it by the step time and the number of devices, ``mfu`` by the device's peak as well (null
-when the peak is not known: on CPU, or an unlisted GPU without ``metrics.peak_tflops``).
+when the peak is not known: on CPU, or an unlisted GPU without ``metrics.peak_tflops``). All
+three are null when some rank has no count of its graph's FLOPs: its compiled graph came from
+PyTorch's cache without the report autosp keeps beside it.
 Step times on CUDA are read after ``torch.cuda.synchronize``, so they cover the GPU's work,
 not only the launches.
 """
@@ -84,8 +86,9 @@ def _human_rate(n: float) -> str:
 def progress_line(rec: dict[str, Any], steps: int) -> str:
     return (f"step {rec['step']:4d}/{steps}  loss {rec['loss']:.6f}  lr {rec['lr']:.2e}  "
             f"grad_norm {rec['grad_norm']:.3f}  {_human_rate(rec['tokens_per_s'])} tok/s "
-            f"({_human_rate(rec['tokens_per_s_per_device'])}/device)  "
-            f"{rec['tflops_per_device']:.3g} TFLOP/s/device"
+            f"({_human_rate(rec['tokens_per_s_per_device'])}/device)"
+            + (f"  {rec['tflops_per_device']:.3g} TFLOP/s/device"
+               if rec["tflops_per_device"] is not None else "")
             + (f" (MFU {100 * rec['mfu']:.1f}%)" if rec["mfu"] is not None else "")
             + f"  time {rec['step_ms']:.1f} ms  peak {human_bytes(rec['peak_mem_bytes'])}")
 
