@@ -6,10 +6,11 @@ backward) and Inductor's FX graph cache. Two things decide whether it can:
 
 - **autosp's functions in the graph.** The apply stage inserts calls to the SP ops of
   :mod:`autosp.collectives` and :mod:`autosp.chunks` (``grad_sync``, ``local_chunk``, ...).
-  AOTAutograd caches a graph only when it can trust every function it calls to behave as its name says; for functions
-  outside torch it needs a key, through ``torch._inductor.config.unsafe_marked_cacheable_functions``.
-  :func:`marked_cacheable` gives each of them :func:`source_hash`, which is part of every cache
-  key, so an autosp of other code never reads entries this one wrote.
+  AOTAutograd caches a graph only when it can trust every function it calls to behave as its
+  name says; for functions outside torch it needs a key, through
+  ``torch._inductor.config.unsafe_marked_cacheable_functions``. :func:`marked_cacheable` gives
+  each of them :func:`source_hash`, which is part of every cache key, so an autosp of other
+  code never reads entries this one wrote.
 - **autosp's partitioner.** Its identity in the key (``AutospRematPartitioner.uuid``) is the
   policy and :func:`source_hash`.
 
