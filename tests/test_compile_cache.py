@@ -127,7 +127,7 @@ def test_report_key_tells_apart_the_static_lengths_a_graph_is_compiled_for() -> 
     """Found by a breaker: a static compile hands AOTAutograd static inputs for a graph whose
     placeholders keep Dynamo's symbolic values; keyed by the placeholders, the report of S = 64
     was read back for S = 32 (a 2.4x wrong model_flops, so MFU) when the graph takes no integer
-    input. The key is of what AOTAutograd is handed."""
+    input. A graph compiled for static sizes is keyed by the inputs AOTAutograd is handed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
@@ -191,6 +191,28 @@ def test_reports_on_hits_evaluation_and_a_missing_file(tmp_path: Any, monkeypatc
         gone, gone_loss = _report_step(training=True)  # a hit, its report removed
     assert gone.graphs == [] and gone_loss == loss
     assert any("remat report" in str(w.message) for w in caught)
+
+
+def test_a_static_compile_marks_the_graph_it_compiles_for_its_report_key() -> None:
+    """What keys a static compile's report by its sizes (test_report_key_tells_apart_...):
+    autosp.specialize marks each copy it compiles, and not the graph it copies."""
+    from autosp.compile_cache import STATIC_INPUTS
+    from autosp.specialize import PerShapeCompiled
+
+    template = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    seen = []
+
+    def compile_fn(gm: Any, inputs: list) -> Any:
+        seen.append((gm.meta.get(STATIC_INPUTS), [tuple(x.shape) for x in inputs],
+                     report_key(gm, "a", inputs)))
+        return gm
+
+    compiled = PerShapeCompiled(template, compile_fn)
+    compiled(torch.zeros(3, 2))
+    compiled(torch.zeros(5, 2))
+    assert [(m, shapes) for m, shapes, _ in seen] == [(True, [(3, 2)]), (True, [(5, 2)])]
+    assert seen[0][2] != seen[1][2]
+    assert not template.meta.get(STATIC_INPUTS)
 
 
 def cached_step(rank: int, world: int, cache_dir: str, seq_len: int) -> dict[str, Any]:
