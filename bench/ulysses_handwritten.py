@@ -31,6 +31,7 @@ the loss's reduction included, as autosp's does.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,25 +54,38 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _all_to_all_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _eager_exchange(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _traced_exchange(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    # A functional all-to-all, which torch.compile traces (its backward is the inverse exchange).
+    return funcol.all_to_all_single_autograd(send, None, None, _traced_group(group))
+
+
+def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _all_to_all_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None,
+                             exchange: Callable = _eager_exchange) -> torch.Tensor:
     # [B, H, S/P, D] (all heads, my chunk) -> [B, H/P, S, D] (my heads, all chunks).
     p = _group_size(group)
     b, h, s, d = x.shape
-    send = x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = exchange(x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4).contiguous(), group)
     # recv[i] is chunk i of the sequence for my heads.
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
 
 
-def _all_to_all_heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_to_all_heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None,
+                             exchange: Callable = _eager_exchange) -> torch.Tensor:
     # [B, H/P, S, D] (my heads, all chunks) -> [B, H, S/P, D] (all heads, my chunk).
     p = _group_size(group)
     b, h, s_full, d = y.shape
     s = s_full // p
-    send = y.reshape(b, h, p, s, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = exchange(y.reshape(b, h, p, s, d).permute(2, 0, 1, 3, 4).contiguous(), group)
     # recv[i] is head block i (rank i's heads) for my chunk.
     return recv.permute(1, 0, 2, 3, 4).reshape(b, p * h, s, d)
 
@@ -138,27 +152,14 @@ def global_count(mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return count
 
 
-def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
-
-
 def traced_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``seq_to_heads`` with a functional all-to-all, which torch.compile traces (its backward
-    is the inverse exchange)."""
-    p = _group_size(group)
-    b, h, s, d = x.shape
-    send = x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, _traced_group(group))
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+    """``seq_to_heads`` with a functional all-to-all, which torch.compile traces."""
+    return _all_to_all_seq_to_heads(x, group, _traced_exchange)
 
 
 def traced_heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``heads_to_seq`` with a functional all-to-all."""
-    p = _group_size(group)
-    b, h, s_full, d = y.shape
-    send = y.reshape(b, h, p, s_full // p, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = funcol.all_to_all_single_autograd(send, None, None, _traced_group(group))
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, p * h, s_full // p, d)
+    return _all_to_all_heads_to_seq(y, group, _traced_exchange)
 
 
 def traced_sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
