@@ -8,6 +8,7 @@ dtype, the state dict) is what these tests check; the memory it frees is the pla
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -251,30 +252,46 @@ def test_is_exported_and_typed() -> None:
     assert isinstance(OffloadOptimizer(_model().parameters()), torch.optim.Optimizer)
 
 
-def test_train_with_the_optimizer_offloaded_matches_and_resumes(tmp_path) -> None:
-    """``autosp train --offload-optimizer`` at sp 2 (fp32, CPU): every step's loss and gradient
-    norm equal those of the run with a plain AdamW (to 1e-6 relative; the host masters are the
-    same fp32 numbers), and a run resumed from its step-2 checkpoint continues it exactly."""
+def _train_offloaded(tmp_path: Any) -> list[dict]:
+    """``autosp train --offload-optimizer`` at sp 2 (fp32, CPU), 4 steps, a checkpoint at
+    step 2: its records."""
+    from test_train_faults import _records, _train
+
+    proc = _train(tmp_path / "off", "--steps", "4", "--lr", "0.05", "--offload-optimizer", "true",
+                  "--checkpoint-every", "2")
+    assert "optimizer offloaded to the host" in proc.stdout, proc.stdout
+    off = _records(tmp_path / "off")
+    assert [r["step"] for r in off] == [0, 1, 2, 3]
+    return off
+
+
+def test_train_with_the_optimizer_offloaded_matches(tmp_path: Any) -> None:
+    """Every step's loss and gradient norm equal those of the run with a plain AdamW (to 1e-6
+    relative; the host masters are the same fp32 numbers)."""
+    from test_train_faults import _records, _train
+
+    _train(tmp_path / "plain", "--steps", "4", "--lr", "0.05")
+    plain, off = _records(tmp_path / "plain"), _train_offloaded(tmp_path)
+    for a, b in zip(plain, off):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6), (a, b)
+    assert plain[1]["loss"] != plain[3]["loss"]  # it trains
+
+
+@pytest.mark.slow  # 20 s; the optimizer's own state round trip is checked by default above
+def test_train_with_the_optimizer_offloaded_resumes(tmp_path: Any) -> None:
+    """A run resumed from the offloaded run's step-2 checkpoint continues it exactly; resuming
+    it without the flag says which setting wrote it (DCP's missing keys before)."""
     import subprocess
 
     from test_cli import _autosp_command
     from test_train_faults import ENV, TINY, _records, _train
 
-    _train(tmp_path / "plain", "--steps", "4", "--lr", "0.05")
-    proc = _train(tmp_path / "off", "--steps", "4", "--lr", "0.05", "--offload-optimizer", "true",
-                  "--checkpoint-every", "2")
-    assert "optimizer offloaded to the host" in proc.stdout, proc.stdout
-    plain, off = _records(tmp_path / "plain"), _records(tmp_path / "off")
-    assert [r["step"] for r in off] == [0, 1, 2, 3]
-    for a, b in zip(plain, off):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6), (a, b)
-    assert plain[1]["loss"] != plain[3]["loss"]  # it trains
+    off = _train_offloaded(tmp_path)
     proc = _train(tmp_path / "resumed", "--steps", "4", "--lr", "0.05", "--offload-optimizer",
                   "true", "--resume", str(tmp_path / "off" / "checkpoints" / "step-2"))
     assert "2 steps done" in proc.stdout, proc.stdout
     resumed = _records(tmp_path / "resumed")
-    # Resuming it without the flag says which setting wrote it (DCP's missing keys before).
     proc = subprocess.run([*_autosp_command(), "train", *TINY, "--steps", "4", "--out-dir",
                            str(tmp_path / "plain2"), "--resume",
                            str(tmp_path / "off" / "checkpoints" / "step-2")],

@@ -167,7 +167,7 @@ def _sp_exact_worker(
     return out
 
 
-@pytest.mark.slow  # world 4 (GQA kv < P) and world 2 under Inductor run by default
+@pytest.mark.slow  # world 4 (GQA kv < P) runs by default
 def test_sp_exact_world2_aot_eager() -> None:
     """P=2: MHA, and GQA with kv < P (one KV head, replicated before the exchange);
     no remat."""
@@ -187,9 +187,14 @@ def test_sp_exact_world4_aot_eager() -> None:
     _check_results(results, world_size)
 
 
+@pytest.mark.slow  # 41 s of C++ codegen; see the docstring for the default suite's Inductor runs
 def test_sp_exact_world2_inductor() -> None:
-    """THE ONE INDUCTOR CASE (slow: C++ codegen on every rank, so one decoder layer):
-    P=2, GQA with kv == P (no KV replication), default remat."""
+    """P=2 under Inductor (C++ codegen on every rank, so one decoder layer): GQA with kv == P
+    (no KV replication), remat="default". The default suite checks Inductor at world 2 on the
+    reference Llama with sequence-aware remat and the tiled loss and MLP
+    (test_compile_cache's second process), on styles (test_styles, test_masks) and with
+    regions (test_outline); the "default" policy is checked exact there under aot_eager
+    (test_sp_remat)."""
     world_size = 2
     variant = Variant("gqa-kv2-1layer", num_heads=4, num_kv_heads=2, num_layers=1)
     results = run_ranks(world_size, _sp_exact_worker, [variant], 32, "inductor", "default")
