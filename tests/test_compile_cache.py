@@ -76,6 +76,70 @@ def test_applied_graph_passes_aot_autograds_cacheability_check(name: str) -> Non
     _applied_graph_cacheable(styles.ALL[name])
 
 
+_SHIFTED_MODEL = """
+import torch
+import torch.nn.functional as F
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.proj = torch.nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids).relu()
+        return F.cross_entropy(self.proj(h).flatten(0, 1), labels.flatten())
+"""
+
+
+def _applied(path: Any) -> Any:
+    """The graph rank 0 of 2 runs for the model in ``path`` (its code and report key)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"shifted_{path.parent.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16))
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(labels, 1)
+    got = []
+
+    def backend(gm: Any, example_inputs: list[Any]) -> Any:
+        bridge = fx_to_core(gm, list(example_inputs), 1)
+        cfg = _core.SpConfig()
+        cfg.sp_size = 2
+        plan = _core.plan_ulysses(bridge.graph, cfg)
+        got.append(apply_plan(gm, bridge, plan, RankContext(rank=0, world=2, group=_fake_sp_group(2))))
+        raise _Done()
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
+        torch.compile(module.Model(), backend=backend, fullgraph=True)(ids, labels)
+    if not isinstance(getattr(failed.value, "inner_exception", None), _Done):
+        raise failed.value
+    return got[0]
+
+
+def test_a_line_added_above_the_model_keeps_its_graph_and_report_key(tmp_path: Any) -> None:
+    """Found by breaker helper-58: the index check's message held the user's line number, a
+    constant of the graph, so a line added anywhere above the model (a comment, an import)
+    made every compile miss AOTAutograd's cache, where plain torch.compile hits (measured
+    with Inductor: `autograd_cache_miss` against `autograd_cache_hit`). The applied graph of
+    two copies of a model, one with three lines more above it, must be the same code (its
+    constants with it), and its report keyed alike."""
+    graphs = []
+    for name, padding in (("a", ""), ("b", "# one\n# two\n\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shifted_model.py").write_text(padding + _SHIFTED_MODEL)
+        graphs.append(_applied(tmp_path / name / "shifted_model.py"))
+    a, b = graphs
+    assert a.code == b.code, "the applied graphs of the same model differ"
+    assert "shifted_model.py, `h = self.emb(ids).relu()`" in a.code  # the check names the line
+    assert report_key(a, "p") == report_key(b, "p")
+
+
 def test_source_hash_is_taken_at_import_not_read_from_disk_at_the_first_compile() -> None:
     """Found by a breaker (silent): the hash was read from disk at the first compile, so a
     process that had loaded older code wrote its graphs under the newer code's key, and a later

@@ -55,6 +55,13 @@ def _stands_for(node: fx.Node, operand: Any) -> fx.Node:
     return node
 
 
+def _where(loc: Any) -> str:
+    """The user's source line as a constant of the graph: its file and code, not its number.
+    The compile caches key a graph by its constants; with the line number in one, a line added
+    anywhere above it in the user's file made every compile miss (plain torch.compile hits)."""
+    return f"{loc.file}, `{loc.code}`" if loc.code else str(loc.file or "the model")
+
+
 def _in_module_of(node: fx.Node, operand: Any) -> fx.Node:
     """An inserted SP op takes its operand's module path (see _SAME_VALUE_META)."""
     if isinstance(operand, fx.Node) and "nn_module_stack" in operand.meta:
@@ -305,7 +312,7 @@ class _Replayer:
         elif op == "sp.repeat_heads":
             node = g.call_function(collectives.repeat_heads, (ins[0], a["dim"], a["repeats"]))
         elif op == "sp.check_index":
-            node = g.call_function(collectives.check_index, (ins[0], a["below"], str(cn.loc)))
+            node = g.call_function(collectives.check_index, (ins[0], a["below"], _where(cn.loc)))
         elif op == "sp.scan":
             node = g.call_function(collectives.scan, (ins[0], a["dim"], a["op"], ctx.group, ctx.rank))
         elif op == "sp.combine":
