@@ -32,6 +32,16 @@ class _Done(Exception):
     """Raised by the test backend once the applied graph is checked: nothing compiles."""
 
 
+def _rank0_of_2(gm: Any, example_inputs: list[Any]) -> Any:
+    """The graph rank 0 of an SP group of 2 runs for Dynamo's ``gm`` (a fake group)."""
+    bridge = fx_to_core(gm, list(example_inputs), 1)
+    cfg = _core.SpConfig()
+    cfg.sp_size = 2
+    cfg.gather_unsupported = True
+    plan = _core.plan_ulysses(bridge.graph, cfg)
+    return apply_plan(gm, bridge, plan, RankContext(rank=0, world=2, group=_fake_sp_group(2)))
+
+
 def _applied_graph_cacheable(style: styles.Style, seq_len: int = 16) -> None:
     from torch._functorch._aot_autograd.autograd_cache import check_cacheable
     from torch._inductor import config as inductor_config
@@ -45,12 +55,7 @@ def _applied_graph_cacheable(style: styles.Style, seq_len: int = 16) -> None:
 
     def backend(gm: Any, example_inputs: list[Any]) -> Any:
         decompose_composites(gm)
-        bridge = fx_to_core(gm, list(example_inputs), 1)
-        cfg = _core.SpConfig()
-        cfg.sp_size = 2
-        cfg.gather_unsupported = True
-        plan = _core.plan_ulysses(bridge.graph, cfg)
-        applied = apply_plan(gm, bridge, plan, RankContext(rank=0, world=2, group=_fake_sp_group(2)))
+        applied = _rank0_of_2(gm, example_inputs)
         with inductor_config.patch(unsafe_marked_cacheable_functions=marked_cacheable(), fx_graph_cache=True):
             check_cacheable(applied)  # raises BypassAOTAutogradCache with the reason
         raise _Done()
@@ -107,11 +112,7 @@ def _applied(path: Any) -> Any:
     got = []
 
     def backend(gm: Any, example_inputs: list[Any]) -> Any:
-        bridge = fx_to_core(gm, list(example_inputs), 1)
-        cfg = _core.SpConfig()
-        cfg.sp_size = 2
-        plan = _core.plan_ulysses(bridge.graph, cfg)
-        got.append(apply_plan(gm, bridge, plan, RankContext(rank=0, world=2, group=_fake_sp_group(2))))
+        got.append(_rank0_of_2(gm, example_inputs))
         raise _Done()
 
     torch._dynamo.reset()
