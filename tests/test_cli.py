@@ -123,6 +123,23 @@ def test_relaunch_arguments_reach_the_ranks_intact() -> None:
     assert vars(ours)[nproc] == 4 and nproc not in vars(theirs)
 
 
+def test_the_ranks_record_the_nproc_torchrun_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by breaker helper-59: the ranks never see the launcher's ``--nproc``, so a run
+    with ``--nproc 4`` saved ``nproc = 2`` (the default) in its config.toml, and whoever rebuilt
+    the run from it got the wrong data-parallel size. A rank records torchrun's
+    LOCAL_WORLD_SIZE."""
+    args_list = ["train", "--nproc", "4", "--sp", "2"]
+    theirs = cli._build_parser().parse_args(cli.rank_arguments(args_list))
+    cfg = cli.train_config.load(theirs.config, cli.train_config.overrides_of(theirs))
+    assert cfg.parallel.nproc == 2  # what the ranks parse: the default
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    ran = cli.ranks_config(cfg)
+    assert ran.parallel.nproc == 4 and ran.parallel.sp == 2 and cfg.parallel.nproc == 2
+    assert "nproc = 4" in cli.train_config.to_toml(ran)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert cli.ranks_config(cfg) is cfg  # not under torchrun: as given
+
+
 def test_plan_without_planner_reports_clearly(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

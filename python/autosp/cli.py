@@ -15,6 +15,7 @@ compares.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import signal
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _relaunch_under_torchrun(cfg, args_list)
         from autosp.train.loop import run
 
-        return run(cfg)
+        return run(ranks_config(cfg))
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
@@ -124,6 +125,17 @@ def rank_arguments(args_list: Sequence[str]) -> list[str]:
         elif not arg.startswith(tuple(f"{a}=" for a in _NPROC)):
             rank_args.append(arg)
     return rank_args
+
+
+def ranks_config(cfg: train_config.TrainConfig) -> train_config.TrainConfig:
+    """The config a rank runs and records (``config.toml``): ``parallel.nproc`` as torchrun
+    launched it, its ``LOCAL_WORLD_SIZE``. The launcher keeps ``--nproc`` to itself
+    (``rank_arguments``), so the ranks parsed the default (found by breaker helper-59: a run
+    with ``--nproc 4`` saved ``nproc = 2``)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, nproc=int(local)))
 
 
 def torchrun_command(nproc: int, args_list: Sequence[str]) -> list[str]:
