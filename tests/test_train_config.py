@@ -118,6 +118,57 @@ def test_hf_config_model_is_seeded(tmp_path: Path) -> None:
     assert loss.dim() == 0 and math.isfinite(loss.item())
 
 
+def _gemma2_config(folder: Path) -> str:
+    """A tiny Gemma 2: logit soft-capping, for which transformers refuses SDPA attention."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gemma2", vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, sliding_window=8).save_pretrained(folder)
+    return str(folder / "config.json")
+
+
+def test_a_model_that_refuses_sdpa_runs_its_eager_attention(tmp_path: Path) -> None:
+    """Gemma 2 made transformers raise its own ValueError on every rank ("does not support an
+    attention implementation through torch.nn.functional.scaled_dot_product_attention");
+    autosp shards eager attention alike, so such a model now builds with it, and the run's
+    header says so. A model with SDPA keeps it."""
+    from autosp.train.model import attention_note
+
+    model, _ = build_model(C.ModelConfig(hf_config=_gemma2_config(tmp_path)), seed=0)
+    assert model.model.config._attn_implementation == "eager"
+    assert "eager attention (Gemma2ForCausalLM refuses SDPA" in attention_note(model)
+    ids = torch.randint(0, 96, (2, 8))
+    assert math.isfinite(model(ids, ids).item())
+    (tmp_path / "qwen2").mkdir()
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2).save_pretrained(tmp_path / "qwen2")
+    model, _ = build_model(C.ModelConfig(hf_config=str(tmp_path / "qwen2")), seed=0)
+    assert model.model.config._attn_implementation == "sdpa" and attention_note(model) == ""
+
+
+def test_train_a_model_that_refuses_sdpa_exactly(tmp_path: Path) -> None:
+    """``autosp train`` of the tiny Gemma 2 (soft-capped logits, sliding and global layers) at
+    sp 2 passes --check: its first step's loss and gradient norm equal one device's."""
+    import subprocess
+
+    from test_train_faults import ENV, _autosp_command
+
+    args = ["--nproc", "2", "--sp", "2", "--seq-len", "32", "--batch-size", "2", "--backend",
+            "aot_eager", "--predict", "false"]
+    proc = subprocess.run([*_autosp_command(), "train", *args, "--steps", "1", "--check",
+                           "--hf-config", _gemma2_config(tmp_path), "--out-dir",
+                           str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "eager attention (Gemma2ForCausalLM refuses SDPA" in proc.stdout, proc.stdout
+    assert re.search(r"^check: first-step loss .*: OK$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^check: first-step gradient norm .*: OK$", proc.stdout, re.M), proc.stdout
+
+
 @pytest.mark.parametrize("kw, found", [
     (dict(hf_config="/nonexistent"), "found no config.json"),
     (dict(hf_config="/a", hf_checkpoint="/b"), "found both"),

@@ -33,7 +33,7 @@ from autosp.remat import MemoryBudget, Offload, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
                                   progress_line)
 from autosp.train.predict import choose_strategy, predicted_peak
-from autosp.train.model import build_model, check_attends_within_documents
+from autosp.train.model import attention_note, build_model, check_attends_within_documents
 from autosp.train.schedule import warmup_cosine
 
 
@@ -177,7 +177,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
               f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
               f"{', offload all' if t.offload_all else ', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}{', regions' if t.regions else ''}"
-              f"{', optimizer offloaded to the host' if t.offload_optimizer else ''}, "
+              f"{', optimizer offloaded to the host' if t.offload_optimizer else ''}"
+              f"{attention_note(model)}, "
               f"device {device.type}", flush=True)
         print("effective config:\n" + config_mod.to_toml(cfg), flush=True)
         config_mod.save(cfg, cfg.metrics.out_dir)

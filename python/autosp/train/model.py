@@ -20,7 +20,8 @@ from autosp.train.config import ModelConfig
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as ``(input_ids, labels) -> loss`` (its own shifted
-    cross-entropy, SDPA attention, no KV cache)."""
+    cross-entropy, SDPA attention or, for a model that refuses SDPA, its eager attention, no
+    KV cache)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -53,14 +54,21 @@ def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Mo
     if cfg.hf_config or cfg.hf_checkpoint:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if cfg.hf_checkpoint:
-            folder = _hf_folder(cfg.hf_checkpoint, "hf_checkpoint")
-            model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
-                                                         dtype=torch.float32)
-        else:
+        def load(attention: str) -> nn.Module:
+            if cfg.hf_checkpoint:
+                folder = _hf_folder(cfg.hf_checkpoint, "hf_checkpoint")
+                return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention,
+                                                            dtype=torch.float32)
             folder = _hf_folder(cfg.hf_config, "hf_config")
-            config = AutoConfig.from_pretrained(folder, attn_implementation="sdpa")
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            config = AutoConfig.from_pretrained(folder, attn_implementation=attention)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+        try:
+            model = load("sdpa")
+        except ValueError as e:  # e.g. Gemma 2's logit soft-capping: transformers refuses SDPA
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = load("eager")  # attention written out, which autosp shards alike
         if vocab_size > model.config.vocab_size:
             raise AutospError(f"[autosp:train] data.tokenizer: found {vocab_size} token ids; "
                               f"expected at most the model's vocab_size {model.config.vocab_size}")
@@ -71,6 +79,16 @@ def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Mo
                          intermediate_size=cfg.intermediate_size, num_layers=cfg.layers,
                          num_heads=cfg.heads, num_kv_heads=cfg.kv_heads or cfg.heads)
     return LlamaForCausalLM(config), config.vocab_size
+
+
+def attention_note(model: nn.Module) -> str:
+    """For the run's header: ", eager attention (...)" where a Hugging Face model refused SDPA
+    and runs its attention written out; "" otherwise."""
+    inner = getattr(model, "model", None)
+    if getattr(getattr(inner, "config", None), "_attn_implementation", None) != "eager":
+        return ""
+    return (f", eager attention ({type(inner).__name__} refuses SDPA: each rank holds its heads' "
+            "[batch, heads, S, S] scores)")
 
 
 def check_attends_within_documents(model: nn.Module, vocab_size: int) -> None:
