@@ -68,6 +68,7 @@ def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Mo
         except ValueError as e:  # e.g. Gemma 2's logit soft-capping: transformers refuses SDPA
             if "scaled_dot_product_attention" not in str(e):
                 raise
+            torch.manual_seed(seed)  # the weights as if built so at once
             model = load("eager")  # attention written out, which autosp shards alike
         if vocab_size > model.config.vocab_size:
             raise AutospError(f"[autosp:train] data.tokenizer: found {vocab_size} token ids; "
