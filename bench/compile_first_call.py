@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,31 +129,50 @@ def main() -> None:
                     help="where the model runs (Inductor then generates C++ or Triton kernels)")
     ap.add_argument("--child", default=None, choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--only", default=None, help="comma-separated configurations to run")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every configuration this many times, alternating them (this "
+                         "machine's cold times vary by about 15%% from run to run): the table gives "
+                         "medians, each ratio the median of the ratios of runs in the same round")
     args = ap.parse_args()
     if args.child:
         _child(args.child, args.layers, args.seq, args.sp, args.device)
         return
-    results = {}
-    for which in (args.only.split(",") if args.only else CONFIGS):
-        cache = tempfile.mkdtemp(prefix="autosp-first-call-")
-        run = (which, args.layers, args.seq, args.sp, args.device, cache)
-        try:
-            results[which] = (_run(*run), _run(*run))
-            print(f"{which}: cold {results[which][0]}, warm {results[which][1]} "
-                  f"(seconds, kernels)", flush=True)
-        except RuntimeError as err:  # one configuration failing leaves the others' rows
-            print(err, flush=True)
+    runs: dict[str, list[Any]] = {}  # per round: ((cold s, kernels), (warm s, kernels)) or None
+    for round_ in range(args.repeat):
+        for which in (args.only.split(",") if args.only else CONFIGS):
+            cache = tempfile.mkdtemp(prefix="autosp-first-call-")
+            run = (which, args.layers, args.seq, args.sp, args.device, cache)
+            try:
+                runs.setdefault(which, []).append(None)
+                runs[which][-1] = (_run(*run), _run(*run))
+                (cold, kernels), (warm, _) = runs[which][-1]
+                print(f"round {round_ + 1}: {which}: cold {cold:.2f} s ({kernels} kernels), "
+                      f"warm {warm:.2f} s", flush=True)
+            except RuntimeError as err:  # one configuration failing leaves the others' rows
+                print(err, flush=True)  # (its round stays None)
+    runs = {w: r for w, r in runs.items() if any(r)}
+    results = {w: ((statistics.median(x[0][0] for x in r if x), next(x for x in r if x)[0][1]),
+                   (statistics.median(x[1][0] for x in r if x), 0)) for w, r in runs.items()}
     print(f"first call (compile + forward + backward), Llama {args.layers} layers, S {args.seq}, "
           f"rank 0 of sp {args.sp} (fake process group), Inductor on {args.device}, "
-          f"each in a fresh process", flush=True)
+          f"each in a fresh process" + (f", median of {args.repeat} rounds" if args.repeat > 1 else ""),
+          flush=True)
     print(f"{'':<28}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
     for which, ((cold, kernels), (warm, _)) in results.items():
         print(f"{which:<28}{cold:>9.2f}{kernels:>9}{warm:>9.2f}")
+
     def ratio(a: str, b: str, label: str) -> None:
-        if a in results and b in results:
-            (c, k), (w, _) = results[a]
-            (bc, bk), (bw, _) = results[b]
-            print(f"{label}: cold {c / bc:.2f}x ({k} kernels against {bk}), warm {w / bw:.2f}x")
+        if a not in runs or b not in runs:
+            return
+        pairs = [(x, y) for x, y in zip(runs[a], runs[b]) if x and y]  # rounds both completed
+        cold = [x[0][0] / y[0][0] for x, y in pairs]
+        warm = [x[1][0] / y[1][0] for x, y in pairs]
+        spread = (f" (rounds: cold {', '.join(f'{c:.2f}' for c in cold)}; "
+                  f"warm {', '.join(f'{w:.2f}' for w in warm)})" if len(pairs) > 1 else "")
+        if not pairs:
+            return
+        print(f"{label}: cold {statistics.median(cold):.2f}x ({results[a][0][1]} kernels against "
+              f"{results[b][0][1]}), warm {statistics.median(warm):.2f}x{spread}")
 
     ratio("autosp-static-regions", "autosp-static", "regions=True / flat, static S")
     ratio("autosp-static-regions", "autosp-static-regions-every-layer",
