@@ -1,5 +1,6 @@
 """``autosp.compile(..., dynamic=False)`` (autosp.specialize): planned once on the symbolic
-trace, compiled per input shape with static sizes.
+trace, compiled per input shape with static sizes; ``dynamic=None`` (the default): static for the
+first length, one symbolic graph from the second on.
 
 Checked by counting, not timing: AOTAutograd gets each call's real tensors (concrete sizes, no
 SymInt anywhere) once per distinct shape, a repeated shape compiles nothing, Dynamo captures
@@ -28,7 +29,7 @@ def _symbolic(x: Any) -> bool:
     return False
 
 
-def _worker(rank: int, world: int, backend: str, dynamic: bool,
+def _worker(rank: int, world: int, backend: str, dynamic: bool | None,
             regions: bool = False) -> dict[str, Any]:
     import sys
 
@@ -87,13 +88,26 @@ def test_static_per_shape_is_exact_and_compiles_once_per_length(backend: str,
 
 
 def test_dynamic_compiles_one_symbolic_graph_for_every_length() -> None:
-    """The default, for contrast: AOTAutograd compiles once, at Dynamo's compile, with
+    """dynamic=True, for contrast: AOTAutograd compiles once, at Dynamo's compile, with
     symbolic sizes, and that graph runs both lengths exactly."""
     for rank, out in enumerate(run_ranks(2, _worker, "aot_eager", True)):
         for seq, result, compiles in out["results"]:
             assert_step_exact(result, f"dynamic=True, S {seq}, rank {rank}")
             assert compiles == [True], (seq, compiles)
         assert out["shapes"] is None
+
+
+def test_automatic_compiles_the_first_length_static_then_one_graph_for_every_length() -> None:
+    """autosp.compile's default, dynamic=None, as torch.compile's: the first length (16) with
+    static sizes; the first call with a second length (32) has Dynamo capture again and
+    AOTAutograd compile once with symbolic sizes; the later calls (16, 32) compile nothing.
+    Every step exact."""
+    for rank, out in enumerate(run_ranks(2, _worker, "aot_eager", None)):
+        for seq, result, _ in out["results"]:
+            assert_step_exact(result, f"dynamic=None, S {seq}, rank {rank}")
+        assert [c for _, _, c in out["results"]] == [[False], [False, True], [False, True],
+                                                       [False, True]], out["results"]
+        assert out["dynamo_graphs"] == 2 and out["shapes"] is None, out
 
 
 def _cold_then_warm() -> list[dict[str, int]]:

@@ -96,7 +96,8 @@ def _check_outputs(outputs: str) -> None:
 def _check_flags(loss_chunks: int | None = None, **flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
-            raise AutospError(f"[autosp:compile] found {name}={value!r}; expected True or False.")
+            allowed = "True, False or None (automatic)" if name == "dynamic" else "True or False"
+            raise AutospError(f"[autosp:compile] found {name}={value!r}; expected {allowed}.")
     if loss_chunks is None:
         return
     from autosp.tiled_loss import MAX_CHUNKS
@@ -163,7 +164,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
             remat_report: Any = None, outputs: str = "full",
             check_inputs: str = "on_change", unsupported: str = "gather",
             tile_loss: bool = False, tile_mlp: bool = False,
-            loss_chunks: int | None = None, dynamic: bool = True,
+            loss_chunks: int | None = None, dynamic: bool | None = None,
             regions: bool = False) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
@@ -222,11 +223,14 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     whose logits are the size of the hidden states). Fewer are faster, since each chunk reads
     the whole weight, and hold more; ``autosp plan --gpu-memory`` reports the fewest that fit.
 
-    ``dynamic``: ``True`` (default) compiles one graph for every sequence length. ``False``
-    plans on the same symbolic trace but has AOTAutograd and Inductor compile the graph for
-    the shapes of each call, at its first call with them (autosp.specialize): 0.85x the first
-    call's time at 2 layers and 0.64x at 16 (docs/compile_time.md), but a full compile per
-    distinct length, so for training at a fixed length (``autosp train`` does).
+    ``dynamic``: ``None`` (default) does what ``torch.compile`` does by default: the first
+    sequence length is compiled with static sizes, and the first call with a second length
+    compiles one graph for every length from then on. ``True`` compiles that one graph from the
+    start. ``False`` has AOTAutograd and Inductor compile the graph for the shapes of each call,
+    at its first call with them (autosp.specialize), for every length. autosp plans on a trace
+    with the length symbolic in all three. A static compile takes 0.85x the first call's time
+    at 2 layers and 0.64x at 16 under Inductor, and about a third under aot_eager
+    (docs/compile_time.md), but each distinct length compiles in full.
 
     ``regions``: compile each class of alike decoder layers once (autosp.outline: PyTorch's
     ``invoke_subgraph`` after the SP rewrite), so that compile time stops growing with depth;
@@ -259,11 +263,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     _check_unsupported(unsupported)
     # With remat='auto' the chunks are the tiled loss's if auto turns it on.
     _check_flags(loss_chunks, tile_loss=tile_loss or auto is not None, tile_mlp=tile_mlp,
-                 dynamic=dynamic, regions=regions)
+                 regions=regions, **({} if dynamic is None else {"dynamic": dynamic}))
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, auto or remat, backend, remat_report, outputs, unsupported,
-                               tile_loss, tile_mlp, loss_chunks, dynamic, regions)
+                               tile_loss, tile_mlp, loss_chunks, bool(dynamic), regions)
     dp_group = mesh.get_group("dp") if "dp" in (mesh.mesh_dim_names or ()) else None
     shard.check_not_fsdp2(model)
     if shard.is_sharded(model):
@@ -271,7 +275,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
         average_dp = False  # the gradients' reduce-scatter already averages over dp
     module = SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None,
                                     sp_group=mesh.get_group("sp"), check_inputs=check_inputs,
-                                    mesh_dp_group=dp_group)
+                                    mesh_dp_group=dp_group, dynamic_after_one_length=dynamic is None)
     if auto is not None:
         from autosp import remat_auto
 

@@ -89,7 +89,7 @@ class SequenceParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, sp_backend: SequenceParallelBackend, seq_dim: int,
                  dp_group: Any = None, sp_group: Any = None, check_inputs: str = "on_change",
-                 mesh_dp_group: Any = None) -> None:
+                 mesh_dp_group: Any = None, dynamic_after_one_length: bool = False) -> None:
         super().__init__()
         _check_seq_dim(seq_dim)
         self.module = model
@@ -106,6 +106,10 @@ class SequenceParallelModule(nn.Module):
         # under "module." as with DistributedDataParallel.
         object.__setattr__(self, "_compiled",
                            torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False))
+        # autosp.compile(dynamic=None): static sizes for the first sequence length, one graph
+        # for every length from the second on (what torch.compile does by default).
+        self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
+        self._lengths: set[int] = set()
         # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions),
         # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
         dynamo_regions.unmark_layers(model)
@@ -175,7 +179,26 @@ class SequenceParallelModule(nn.Module):
             for d in dims:
                 torch._dynamo.mark_dynamic(t, d)
             key.append((name, tuple(None if d in dims else n for d, n in enumerate(t.shape)), t.dtype))
+        self._at_length(seq)
         return tuple(key), self.module.training
+
+    def _at_length(self, seq: int) -> None:
+        """With ``dynamic=None``: at the first call with a second sequence length, compile one
+        graph for every length. A new ``torch.compile`` of the model gives Dynamo a backend of
+        another identity, so it traces the model again (its cached graph, with the static
+        compiles behind it, is for the old backend) and the backend compiles that trace with
+        the length symbolic."""
+        self._lengths.add(seq)
+        if self._dynamic_after_one_length and len(self._lengths) > 1:
+            self._dynamic_after_one_length = False
+            self.sp_backend.dynamic = True
+            sp_backend = self.sp_backend
+
+            def every_length(gm: Any, example_inputs: Any) -> Any:  # Dynamo keys by identity
+                return sp_backend(gm, example_inputs)
+
+            object.__setattr__(self, "_compiled", torch.compile(
+                self.module, backend=every_length, fullgraph=True, dynamic=False))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.sp_group is not None and not _group_alive(self.sp_backend.ctx.group):
