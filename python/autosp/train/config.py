@@ -103,9 +103,9 @@ class TrainingConfig:
     tile_mlp: bool = _f(False, "run each MLP a chunk of tokens at a time, recomputed in backward, "
                                "so that its [tokens, ffn] intermediates never exist whole "
                                "(autosp.compile(tile_mlp=True); exact)")
-    regions: bool = _f(False, "compile each class of alike decoder layers once (autosp.compile("
-                              "regions=True; experimental): the first step's compile stops "
-                              "growing with depth; exact")
+    regions: bool = _f(True, "compile each class of alike decoder layers once (autosp.compile("
+                             "regions=True): the first step's compile stops growing with depth; "
+                             "exact. false: every layer compiled in one flat graph")
     check: bool = _f(False, "at the end, compare the first step's loss and the norm of its "
                             "gradient with the plain model on one device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")
