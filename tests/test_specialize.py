@@ -110,6 +110,72 @@ def test_automatic_compiles_the_first_length_static_then_one_graph_for_every_len
         assert out["dynamo_graphs"] == 2 and out["shapes"] is None, out
 
 
+class _BranchOnLength(torch.nn.Module):
+    """A Python branch on S (tests/test_breakers.py "size-python-branch"): a graph traced at
+    S > 20 guards on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h * 2 if ids.shape[1] > 20 else h * 3
+        logits = self.head(h.cumsum(1))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                                 labels[:, 1:].reshape(-1))
+
+
+def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
+    """Dynamo graphs after each call of three runs with dynamic=None (breaker helper-61)."""
+    import autosp
+
+    mesh = autosp.init_mesh(world)
+    out: dict[str, Any] = {}
+
+    def run(name: str, model: torch.nn.Module, calls: list[tuple[int, int]]) -> None:
+        compiled = autosp.compile(model, mesh=mesh, backend="aot_eager")
+        graphs, results = [], []
+        for i, (batch, seq) in enumerate(calls):
+            if seq >= 8:
+                ids, labels = make_batch(VOCAB, batch, seq, i)
+            else:  # (make_batch puts ignored labels in longer batches)
+                ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(i))
+                labels = ids.clone()
+            results.append(step_against_reference(model, compiled, ids, labels))
+            graphs.append(len(compiled.sp_backend.records))
+        out[name] = (graphs, results)
+
+    # Three batch sizes at two lengths under a recompile limit of 4: the static graphs of the
+    # first length stay in Dynamo's cache, and the limit is raised by as many.
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=4):
+        run("limit", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+            [(b, s) for s in (16, 32) for b in (1, 2, 3)])
+    # Back to the first length after the switch: its static graph serves it, as torch.compile's
+    # does (the symbolic graph traced at 32 guards S > 20).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    run("branch", _BranchOnLength(), [(2, 16), (2, 32), (2, 48), (2, 16)])
+    # A second length of one token per rank compiles static: a symbolic graph traced there
+    # would be specialised on a chunk of size 1.
+    torch._dynamo.reset()
+    run("one token", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+        [(2, 16), (2, world), (2, 4 * world), (2, 16)])
+    return out
+
+
+def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
+    for rank, out in enumerate(run_ranks(2, _automatic_worker)):
+        for name, (_, results) in out.items():
+            for i, result in enumerate(results):
+                assert_step_exact(result, f"{name}, call {i}, rank {rank}")
+        assert out["limit"][0] == [1, 2, 3, 4, 5, 6], out["limit"][0]
+        assert out["branch"][0] == [1, 2, 2, 2], out["branch"][0]
+        assert out["one token"][0] == [1, 1, 2, 2], out["one token"][0]
+
+
 def _cold_then_warm() -> list[dict[str, int]]:
     """Rank 0 of 2 against a fake process group, Inductor: the same model compiled with
     dynamic=False twice with one fresh cache directory, Dynamo reset in between (what a

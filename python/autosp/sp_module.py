@@ -110,6 +110,9 @@ class SequenceParallelModule(nn.Module):
         # for every length from the second on (what torch.compile does by default).
         self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
         self._lengths: set[int] = set()
+        self._seq = 0  # this call's sequence length
+        self._static_lengths: frozenset[int] = frozenset()  # compiled static before the switch
+        self._static_graphs = 0  # Dynamo graphs compiled before the switch
         # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions),
         # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
         dynamo_regions.unmark_layers(model)
@@ -185,18 +188,27 @@ class SequenceParallelModule(nn.Module):
     def _at_length(self, seq: int) -> None:
         """With ``dynamic=None``: at the first call with a second sequence length, compile one
         graph for every length. A new ``torch.compile`` of the model gives Dynamo a backend of
-        another identity, so it traces the model again (its cached graph, with the static
-        compiles behind it, is for the old backend) and the backend compiles that trace with
-        the length symbolic."""
+        another identity, so it traces the model again and the backend compiles that trace with
+        the length symbolic, inside Dynamo's compile (so that the guards AOTAutograd and
+        Inductor add are installed). Calls with a length compiled before go on through the
+        first ``torch.compile`` to their static graphs, as ``torch.compile`` keeps its static
+        graph for the first shape."""
+        self._seq = seq
         self._lengths.add(seq)
-        if self._dynamic_after_one_length and len(self._lengths) > 1:
+        # Not at one token per rank: Dynamo would specialise the graph on a chunk of size 1.
+        if self._dynamic_after_one_length and len(self._lengths) > 1 and seq > self.sp_backend.ctx.world:
             self._dynamic_after_one_length = False
+            self._static_lengths = frozenset(self._lengths - {seq})
+            # The static graphs stay in Dynamo's cache of the forward's code, where they count
+            # towards its recompile limit; forward raises the limit by as many.
+            self._static_graphs = len(self.sp_backend.records)
             self.sp_backend.dynamic = True
             sp_backend = self.sp_backend
 
             def every_length(gm: Any, example_inputs: Any) -> Any:  # Dynamo keys by identity
                 return sp_backend(gm, example_inputs)
 
+            object.__setattr__(self, "_compiled_static", self._compiled)
             object.__setattr__(self, "_compiled", torch.compile(
                 self.module, backend=every_length, fullgraph=True, dynamic=False))
 
@@ -215,6 +227,8 @@ class SequenceParallelModule(nn.Module):
             patch["capture_dynamic_output_shape_ops"] = True
         if hasattr(torch._dynamo.config, "ignore_logging_functions"):
             patch["ignore_logging_functions"] = _logging_functions()
+        if self._static_graphs:
+            patch["recompile_limit"] = torch._dynamo.config.recompile_limit + self._static_graphs
         try:
             # Layers traced once: Dynamo's reuse refused where the forward writes outer state
             # (autosp.dynamo_reuse).
@@ -231,6 +245,8 @@ class SequenceParallelModule(nn.Module):
                         # No backward to remat for: compiled as it is, chosen at the first
                         # call with gradients (a new grad mode compiles anew).
                         self.sp_backend.remat = "none"
+                if self._seq in self._static_lengths:
+                    return self._compiled_static(*args, **kwargs)
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e
