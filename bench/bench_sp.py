@@ -71,9 +71,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="run the hand-written model eagerly instead of torch.compile")
     parser.add_argument("--models", default="autosp,handwritten",
                         help="comma-separated subset of autosp,handwritten to run")
-    parser.add_argument("--dynamic", choices=["true", "false"], default="true",
-                        help="autosp.compile(dynamic=...): false compiles the planned graph with "
-                             "S static, as torch.compile does the hand-written model here")
+    parser.add_argument("--dynamic", choices=["auto", "true", "false"], default="auto",
+                        help="autosp.compile(dynamic=...): auto (None, the default; at the one "
+                             "length of this bench, a static compile) compiles the first length "
+                             "with S static, as torch.compile does the hand-written model here; "
+                             "true compiles one graph with S symbolic")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per model")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per model")
     parser.add_argument("--seed", type=int, default=0, help="weights and batch seed")
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
         mesh = autosp.init_mesh(world)
         compiled = autosp.compile(
             sp_model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend,
-            dynamic=args.dynamic == "true",
+            dynamic={"auto": None, "true": True, "false": False}[args.dynamic],
         )
         models["autosp"] = sp_model
         steps["autosp"] = lambda: compiled(input_ids, labels)

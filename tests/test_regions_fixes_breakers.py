@@ -107,7 +107,7 @@ def _token_local_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _TokenLocalModel()
     compiled = autosp.compile(model, autosp.init_mesh(world), remat="sequence-aware",
-                              backend="inductor", regions=True)  # dynamic S (the default)
+                              backend="inductor", regions=True, dynamic=True)
     out = {}
     for seq in (64, 96):  # a second length: the same symbolic graph
         ids, labels = make_batch(128, 2, seq, seed=seq)
