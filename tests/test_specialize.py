@@ -148,21 +148,24 @@ def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
         out[name] = (graphs, results)
 
     # Three batch sizes at two lengths under a recompile limit of 4: the static graphs of the
-    # first length stay in Dynamo's cache, and the limit is raised by as many.
+    # first length stay in Dynamo's cache, and the limit is raised by as many. A fourth batch
+    # size, first at the first length, then at the second: one graph (the symbolic one's),
+    # not one for each (breaker helper-62).
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=4):
         run("limit", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
-            [(b, s) for s in (16, 32) for b in (1, 2, 3)])
+            [(b, s) for s in (16, 32) for b in (1, 2, 3)] + [(4, 16), (4, 32)])
     # Back to the first length after the switch: its static graph serves it, as torch.compile's
     # does (the symbolic graph traced at 32 guards S > 20).
     torch._dynamo.reset()
     torch.manual_seed(0)
     run("branch", _BranchOnLength(), [(2, 16), (2, 32), (2, 48), (2, 16)])
     # A second length of one token per rank compiles static: a symbolic graph traced there
-    # would be specialised on a chunk of size 1.
+    # would be specialised on a chunk of size 1. The switch then comes at a new length (32),
+    # not back at the first (helper-62).
     torch._dynamo.reset()
     run("one token", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
-        [(2, 16), (2, world), (2, 4 * world), (2, 16)])
+        [(2, 16), (2, world), (2, 16), (2, 32), (2, 16)])
     return out
 
 
@@ -171,9 +174,9 @@ def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
         for name, (_, results) in out.items():
             for i, result in enumerate(results):
                 assert_step_exact(result, f"{name}, call {i}, rank {rank}")
-        assert out["limit"][0] == [1, 2, 3, 4, 5, 6], out["limit"][0]
+        assert out["limit"][0] == [1, 2, 3, 4, 5, 6, 7, 7], out["limit"][0]
         assert out["branch"][0] == [1, 2, 2, 2], out["branch"][0]
-        assert out["one token"][0] == [1, 1, 2, 2], out["one token"][0]
+        assert out["one token"][0] == [1, 1, 1, 2, 2], out["one token"][0]
 
 
 def _cold_then_warm() -> list[dict[str, int]]:

@@ -111,7 +111,8 @@ class SequenceParallelModule(nn.Module):
         self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
         self._lengths: set[int] = set()
         self._seq = 0  # this call's sequence length
-        self._static_lengths: frozenset[int] = frozenset()  # compiled static before the switch
+        self._calls: set[tuple] = set()  # (length, signature, grad mode) before the switch
+        self._static_calls: frozenset[tuple] = frozenset()  # the same, frozen at the switch
         self._static_graphs = 0  # Dynamo graphs compiled before the switch
         # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions),
         # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
@@ -190,15 +191,19 @@ class SequenceParallelModule(nn.Module):
         graph for every length. A new ``torch.compile`` of the model gives Dynamo a backend of
         another identity, so it traces the model again and the backend compiles that trace with
         the length symbolic, inside Dynamo's compile (so that the guards AOTAutograd and
-        Inductor add are installed). Calls with a length compiled before go on through the
-        first ``torch.compile`` to their static graphs, as ``torch.compile`` keeps its static
-        graph for the first shape."""
+        Inductor add are installed). Calls as made before the switch (length, shapes, dtypes,
+        modes) go on through the first ``torch.compile`` to their static graphs, as
+        ``torch.compile`` keeps its static graph for the first shape; every other call takes the
+        new one, so that no signature has a graph in both."""
         self._seq = seq
+        new = seq not in self._lengths
         self._lengths.add(seq)
-        # Not at one token per rank: Dynamo would specialise the graph on a chunk of size 1.
-        if self._dynamic_after_one_length and len(self._lengths) > 1 and seq > self.sp_backend.ctx.world:
+        # At a new length, and not at one token per rank: Dynamo would specialise the graph on
+        # a chunk of size 1.
+        if self._dynamic_after_one_length and new and len(self._lengths) > 1 \
+                and seq > self.sp_backend.ctx.world:
             self._dynamic_after_one_length = False
-            self._static_lengths = frozenset(self._lengths - {seq})
+            self._static_calls = frozenset(self._calls)
             # The static graphs stay in Dynamo's cache of the forward's code, where they count
             # towards its recompile limit; forward raises the limit by as many.
             self._static_graphs = len(self.sp_backend.records)
@@ -218,7 +223,11 @@ class SequenceParallelModule(nn.Module):
         leaves = guard.flatten_inputs(args, kwargs, self.names)
         sig = guard.signature(leaves)
         self.input_guard.check_call(leaves, sig)  # before any local check: ranks decide alike
-        self._signatures.setdefault(self._prepare(args, kwargs), None)
+        prepared = self._prepare(args, kwargs)
+        self._signatures.setdefault(prepared, None)
+        call = (self._seq, prepared, torch.is_grad_enabled())
+        if self._dynamic_after_one_length:
+            self._calls.add(call)
         patch: dict[str, Any] = {}
         if self._capture_data_dependent:
             # Data-dependent ops (torch.where(mask) in MoE routing) are captured into the graph,
@@ -245,7 +254,7 @@ class SequenceParallelModule(nn.Module):
                         # No backward to remat for: compiled as it is, chosen at the first
                         # call with gradients (a new grad mode compiles anew).
                         self.sp_backend.remat = "none"
-                if self._seq in self._static_lengths:
+                if call in self._static_calls:
                     return self._compiled_static(*args, **kwargs)
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
