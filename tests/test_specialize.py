@@ -179,6 +179,14 @@ def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
         assert out["one token"][0] == [1, 1, 1, 2, 2], out["one token"][0]
 
 
+def test_a_bad_dynamic_is_refused() -> None:
+    import autosp
+
+    with pytest.raises(autosp.AutospError,
+                       match=r"found dynamic='auto'; expected True, False or None \(automatic\)"):
+        autosp.compile(torch.nn.Linear(2, 2), mesh=None, dynamic="auto")  # type: ignore[arg-type]
+
+
 def _cold_then_warm() -> list[dict[str, int]]:
     """Rank 0 of 2 against a fake process group, Inductor: the same model compiled with
     dynamic=False twice with one fresh cache directory, Dynamo reset in between (what a

@@ -109,7 +109,6 @@ class SequenceParallelModule(nn.Module):
         # autosp.compile(dynamic=None): static sizes for the first sequence length, one graph
         # for every length from the second on (what torch.compile does by default).
         self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
-        self._lengths: set[int] = set()
         self._seq = 0  # this call's sequence length
         self._calls: set[tuple] = set()  # (length, signature, grad mode) before the switch
         self._static_calls: frozenset[tuple] = frozenset()  # the same, frozen at the switch
@@ -196,11 +195,10 @@ class SequenceParallelModule(nn.Module):
         ``torch.compile`` keeps its static graph for the first shape; every other call takes the
         new one, so that no signature has a graph in both."""
         self._seq = seq
-        new = seq not in self._lengths
-        self._lengths.add(seq)
+        seen = {length for length, _, _ in self._calls}
         # At a new length, and not at one token per rank: Dynamo would specialise the graph on
         # a chunk of size 1.
-        if self._dynamic_after_one_length and new and len(self._lengths) > 1 \
+        if self._dynamic_after_one_length and seen and seq not in seen \
                 and seq > self.sp_backend.ctx.world:
             self._dynamic_after_one_length = False
             self._static_calls = frozenset(self._calls)
