@@ -21,7 +21,13 @@ printed against the hand-written model in the same mode. ``handwritten-traced-st
 hand-written model with its exchanges written in functional collectives, which
 ``torch.compile`` traces (``traced_collectives=True``): one graph holds the whole step, as
 autosp's does, where the plain hand-written model runs its exchanges, their packing and the
-loss's all-reduce eagerly between its graphs. ``autosp-static-regions`` has Dynamo trace each class of
+loss's all-reduce eagerly between its graphs. The plain hand-written model's ``forward``
+breaks its graph inside its loop over the layers, so Dynamo skips that frame: its embedding,
+final ``lm_head`` and loss (and their backward) run eagerly too, where autosp compiles them.
+``handwritten-decoder-frame-static`` loops over the layers in a method of its own, as Hugging
+Face's ``LlamaModel`` does inside ``LlamaForCausalLM``: ``forward`` then breaks at that call, and
+``torch.compile`` compiles the embedding, the head and the loss, the exchanges still eager.
+``autosp-static-regions`` has Dynamo trace each class of
 layers once (autosp.dynamo_regions, PyTorch 2.13 and later); ``autosp-static-regions-every-layer``
 is the same compile with Dynamo tracing every layer. ``floor`` is ``torch.compile`` of a one-op
 function (``sin``, forward and backward) in the same process set-up: the least any first call
@@ -44,7 +50,7 @@ import time
 from typing import Any
 
 CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
-           "handwritten-traced-static",
+           "handwritten-traced-static", "handwritten-decoder-frame-static",
            "autosp-static-regions", "autosp-static-regions-every-layer", "floor", "floor-precompile")
 
 
@@ -96,7 +102,8 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
         compiled(ids, ids).backward()
     else:
         traced = which == "handwritten-traced-static"
-        hand = UlyssesLlamaForCausalLM.from_model(model, traced_collectives=traced)
+        hand = UlyssesLlamaForCausalLM.from_model(
+            model, traced_collectives=traced, decoder_frame=which.startswith("handwritten-decoder"))
         x = ids.clone()
         if which == "handwritten-dynamic":
             torch._dynamo.mark_dynamic(x, 1)
@@ -180,6 +187,8 @@ def main() -> None:
     for mode in ("dynamic", "static"):
         ratio(f"autosp-{mode}", f"handwritten-{mode}", f"autosp / hand-written, S {mode}")
     ratio("autosp-static-regions", "handwritten-static", "autosp regions=True / hand-written, S static")
+    ratio("autosp-static-regions", "handwritten-decoder-frame-static",
+          "autosp regions=True / hand-written with its head compiled (decoder frame), S static")
     ratio("autosp-static-regions", "handwritten-traced-static",
           "autosp regions=True / hand-written with traced exchanges (one graph), S static")
     ratio("autosp-static", "handwritten-traced-static",

@@ -26,6 +26,13 @@ is compiled, the exchanges and their packing run eagerly. ``traced_collectives=T
 the same exchanges with functional collectives (``all_to_all_single_autograd``, ``all_reduce``)
 that ``torch.compile`` traces, so one graph holds the whole step, the exchanges' packing and
 the loss's reduction included, as autosp's does.
+
+With eager collectives, ``forward`` breaks its graph inside its loop over the layers, and
+Dynamo skips a frame that breaks inside a loop: under ``torch.compile`` the layers' pieces are
+compiled (their own frames), but the embedding, the final ``lm_head`` and the loss run eagerly.
+``decoder_frame=True`` loops over the layers in ``_decoder``, a method of its own, as Hugging
+Face's ``LlamaForCausalLM`` calls ``LlamaModel``: ``forward`` breaks at that call instead, and
+its embedding, head and loss are compiled.
 """
 
 from __future__ import annotations
@@ -203,10 +210,12 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         group: dist.ProcessGroup | None = None,
         fuse_qkv: bool = True,
         traced_collectives: bool = False,
+        decoder_frame: bool = False,
     ) -> None:
         super().__init__(cfg)
         self.group = group
         self.fuse_qkv = fuse_qkv
+        self.decoder_frame = decoder_frame
         if traced_collectives:
             self._seq_to_heads, self._heads_to_seq = traced_seq_to_heads, traced_heads_to_seq
             self._sum_over_group, self._global_count = traced_sum_over_group, traced_global_count
@@ -224,9 +233,10 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         group: dist.ProcessGroup | None = None,
         fuse_qkv: bool = True,
         traced_collectives: bool = False,
+        decoder_frame: bool = False,
     ) -> UlyssesLlamaForCausalLM:
         """A copy of ``model`` (same config and weights) that runs Ulysses over ``group``."""
-        sp_model = cls(model.config, group, fuse_qkv, traced_collectives)
+        sp_model = cls(model.config, group, fuse_qkv, traced_collectives, decoder_frame)
         sp_model.load_state_dict(model.state_dict())
         # The same device as model (load_state_dict copies into this CPU model; the rotary
         # table is a buffer outside the state dict).
@@ -281,6 +291,11 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
+    def _decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self._layer(layer, x, cos, sin)
+        return x
+
     def forward(  # type: ignore[override]
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -298,8 +313,11 @@ class UlyssesLlamaForCausalLM(LlamaForCausalLM):
         )
         cos, sin = self.rotary(position_ids)
         x = self.embed_tokens(input_ids[:, start : start + chunk])
-        for layer in self.layers:
-            x = self._layer(layer, x, cos, sin)
+        if self.decoder_frame:
+            x = self._decoder(x, cos, sin)
+        else:
+            for layer in self.layers:
+                x = self._layer(layer, x, cos, sin)
         logits = self.lm_head(self.norm(x)).float()
         # Shift on the full sequence, then take this rank's chunk of targets.
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:][:, start : start + chunk]
