@@ -109,7 +109,6 @@ class SequenceParallelModule(nn.Module):
         # autosp.compile(dynamic=None): static sizes for the first sequence length, one graph
         # for every length from the second on (what torch.compile does by default).
         self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
-        self._seq = 0  # this call's sequence length
         self._calls: set[tuple] = set()  # (length, signature, grad mode) before the switch
         self._static_calls: frozenset[tuple] = frozenset()  # the same, frozen at the switch
         self._static_graphs = 0  # Dynamo graphs compiled before the switch
@@ -144,12 +143,12 @@ class SequenceParallelModule(nn.Module):
             return f"keyword argument {key!r}"
         return f"argument {key}" + (f" ({self.names[key]})" if key < len(self.names) else "")
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple:
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[int, tuple]:
         """Check the sequence length and mark the sequence dims dynamic: dim ``seq_dim`` of
         every top-level tensor argument of the sequence length S, and, for boolean or
         integer tensors (attention masks such as [B, 1, S, S]), every other dim >= 1 of size S.
-        Returns the tensors' shapes (marked dims as None) and dtypes, and the train mode:
-        what a new graph is compiled for."""
+        Returns S, and the tensors' shapes (marked dims as None) and dtypes with the train
+        mode: what a new graph is compiled for. Records nothing about the call (forward does)."""
         named = [(self._arg_name(k), t) for k, t in list(enumerate(args)) + list(kwargs.items())
                  if isinstance(t, torch.Tensor)]
         tensors = [(n, t) for n, t in named if t.dim() > self.seq_dim]
@@ -182,8 +181,7 @@ class SequenceParallelModule(nn.Module):
             for d in dims:
                 torch._dynamo.mark_dynamic(t, d)
             key.append((name, tuple(None if d in dims else n for d, n in enumerate(t.shape)), t.dtype))
-        self._at_length(seq)
-        return tuple(key), self.module.training
+        return seq, (tuple(key), self.module.training)
 
     def _at_length(self, seq: int) -> None:
         """With ``dynamic=None``: at the first call with a second sequence length, compile one
@@ -194,7 +192,6 @@ class SequenceParallelModule(nn.Module):
         modes) go on through the first ``torch.compile`` to their static graphs, as
         ``torch.compile`` keeps its static graph for the first shape; every other call takes the
         new one, so that no signature has a graph in both."""
-        self._seq = seq
         seen = {length for length, _, _ in self._calls}
         # At a new length, and not at one token per rank: Dynamo would specialise the graph on
         # a chunk of size 1.
@@ -221,9 +218,10 @@ class SequenceParallelModule(nn.Module):
         leaves = guard.flatten_inputs(args, kwargs, self.names)
         sig = guard.signature(leaves)
         self.input_guard.check_call(leaves, sig)  # before any local check: ranks decide alike
-        prepared = self._prepare(args, kwargs)
+        seq, prepared = self._prepare(args, kwargs)
+        self._at_length(seq)
         self._signatures.setdefault(prepared, None)
-        call = (self._seq, prepared, torch.is_grad_enabled())
+        call = (seq, prepared, torch.is_grad_enabled())
         if self._dynamic_after_one_length:
             self._calls.add(call)
         patch: dict[str, Any] = {}
