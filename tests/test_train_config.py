@@ -150,6 +150,30 @@ def test_a_model_that_refuses_sdpa_runs_its_eager_attention(tmp_path: Path) -> N
     assert model.model.config._attn_implementation == "sdpa" and attention_note(model) == ""
 
 
+def test_an_sdpa_refusal_the_class_flag_did_not_foresee_builds_eager_alike(tmp_path: Path, monkeypatch: Any) -> None:
+    """build_model asks the class's ``_supports_sdpa`` flag up front. Where the flag allows
+    SDPA but the load refuses it (a sub-model's class), the model builds with eager attention
+    (the same weights as built so at once); where eager fails too, the SDPA load's error
+    stands: no exception text is matched."""
+    import transformers
+
+    from autosp.train import model as train_model
+
+    folder = _gemma2_config(tmp_path)
+    direct, _ = build_model(C.ModelConfig(hf_config=folder), seed=0)
+    monkeypatch.setattr(train_model, "_supports_sdpa", lambda config: True)
+    fallback, _ = build_model(C.ModelConfig(hf_config=folder), seed=0)
+    assert fallback.model.config._attn_implementation == "eager"
+    assert all(torch.equal(x, y) for x, y in zip(direct.parameters(), fallback.parameters()))
+
+    def refuse(config: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"refused {config._attn_implementation}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
+    with pytest.raises(ValueError, match="refused sdpa"):
+        build_model(C.ModelConfig(hf_config=folder), seed=0)
+
+
 def test_train_a_model_that_refuses_sdpa_exactly(tmp_path: Path) -> None:
     """``autosp train`` of the tiny Gemma 2 (soft-capped logits, sliding and global layers) at
     sp 2 passes --check: its first step's loss and gradient norm equal one device's."""

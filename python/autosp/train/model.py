@@ -43,6 +43,20 @@ def _hf_folder(path: str, key: str) -> str:
     return folder
 
 
+def _supports_sdpa(config: object) -> bool:
+    """Whether the causal-LM class transformers builds for ``config`` runs SDPA attention,
+    asked of the class before building it (its ``_supports_sdpa`` flag, which transformers'
+    own check reads: False for Gemma 2, whose logit soft-capping SDPA cannot do). True when
+    the class is not known here: the SDPA load then says."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return True
+    return bool(getattr(cls, "_supports_sdpa", True))
+
+
 def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Module, int]:
     """(model on the CPU in fp32, its vocabulary size). The same ``seed`` gives the same
     random weights on every rank. ``vocab_size``: the tokenizer's, which the preset takes
@@ -54,22 +68,30 @@ def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Mo
     if cfg.hf_config or cfg.hf_checkpoint:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        key = "hf_checkpoint" if cfg.hf_checkpoint else "hf_config"
+        folder = _hf_folder(getattr(cfg, key), key)
+
         def load(attention: str) -> nn.Module:
             if cfg.hf_checkpoint:
-                folder = _hf_folder(cfg.hf_checkpoint, "hf_checkpoint")
                 return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention,
                                                             dtype=torch.float32)
-            folder = _hf_folder(cfg.hf_config, "hf_config")
             config = AutoConfig.from_pretrained(folder, attn_implementation=attention)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
+        # A model that refuses SDPA runs its attention written out, which autosp shards alike.
+        attention = "sdpa" if _supports_sdpa(AutoConfig.from_pretrained(folder)) else "eager"
         try:
-            model = load("sdpa")
-        except ValueError as e:  # e.g. Gemma 2's logit soft-capping: transformers refuses SDPA
-            if "scaled_dot_product_attention" not in str(e):
+            model = load(attention)
+        except ValueError as refused:
+            if attention == "eager":
                 raise
+            # Refused although the class's flag allowed it (a sub-model's class, or a class not in
+            # the mapping): SDPA was what failed if the same model builds with eager attention.
             torch.manual_seed(seed)  # the weights as if built so at once
-            model = load("eager")  # attention written out, which autosp shards alike
+            try:
+                model = load("eager")
+            except ValueError:
+                raise refused from None
         if vocab_size > model.config.vocab_size:
             raise AutospError(f"[autosp:train] data.tokenizer: found {vocab_size} token ids; "
                               f"expected at most the model's vocab_size {model.config.vocab_size}")
