@@ -158,12 +158,14 @@ def test_an_sdpa_refusal_the_class_flag_did_not_foresee_builds_eager_alike(tmp_p
     import transformers
 
     from autosp.train import model as train_model
+    from autosp.train.model import attention_note
 
     folder = _gemma2_config(tmp_path)
     direct, _ = build_model(C.ModelConfig(hf_config=folder), seed=0)
     monkeypatch.setattr(train_model, "_supports_sdpa", lambda config: True)
     fallback, _ = build_model(C.ModelConfig(hf_config=folder), seed=0)
     assert fallback.model.config._attn_implementation == "eager"
+    assert "eager attention (Gemma2ForCausalLM refuses SDPA" in attention_note(fallback)
     assert all(torch.equal(x, y) for x, y in zip(direct.parameters(), fallback.parameters()))
 
     def refuse(config: Any, **kwargs: Any) -> Any:

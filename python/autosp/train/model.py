@@ -21,11 +21,13 @@ from autosp.train.config import ModelConfig
 class HFCausalLM(nn.Module):
     """A transformers causal LM as ``(input_ids, labels) -> loss`` (its own shifted
     cross-entropy, SDPA attention or, for a model that refuses SDPA, its eager attention, no
-    KV cache)."""
+    KV cache). ``attention``: the attention implementation it was built with, "sdpa" or
+    "eager"."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, attention: str = "sdpa") -> None:
         super().__init__()
         self.model = model
+        self.attention = attention
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,13 +91,13 @@ def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Mo
             # the mapping): SDPA was what failed if the same model builds with eager attention.
             torch.manual_seed(seed)  # the weights as if built so at once
             try:
-                model = load("eager")
+                model, attention = load("eager"), "eager"
             except ValueError:
                 raise refused from None
         if vocab_size > model.config.vocab_size:
             raise AutospError(f"[autosp:train] data.tokenizer: found {vocab_size} token ids; "
                               f"expected at most the model's vocab_size {model.config.vocab_size}")
-        return HFCausalLM(model), int(model.config.vocab_size)
+        return HFCausalLM(model, attention), int(model.config.vocab_size)
     from autosp.models.llama import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -106,11 +108,12 @@ def build_model(cfg: ModelConfig, seed: int, vocab_size: int = 0) -> tuple[nn.Mo
 
 def attention_note(model: nn.Module) -> str:
     """For the run's header: ", eager attention (...)" where a Hugging Face model refused SDPA
-    and runs its attention written out; "" otherwise."""
-    inner = getattr(model, "model", None)
-    if getattr(getattr(inner, "config", None), "_attn_implementation", None) != "eager":
+    and runs its attention written out; "" otherwise. Read from what build_model chose: the
+    config keeps it only in the private ``_attn_implementation`` (transformers 5.25 has no
+    public getter)."""
+    if not isinstance(model, HFCausalLM) or model.attention != "eager":
         return ""
-    return (f", eager attention ({type(inner).__name__} refuses SDPA: each rank holds its heads' "
+    return (f", eager attention ({type(model.model).__name__} refuses SDPA: each rank holds its heads' "
             "[batch, heads, S, S] scores)")
 
 
