@@ -134,10 +134,13 @@ def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
     mesh = autosp.init_mesh(world)
     out: dict[str, Any] = {}
 
-    def run(name: str, model: torch.nn.Module, calls: list[tuple[int, int]]) -> None:
+    def run(name: str, model: torch.nn.Module, calls: list[tuple[int, int]],
+            before: dict[int, Any] | None = None) -> None:
         compiled = autosp.compile(model, mesh=mesh, backend="aot_eager")
         graphs, results = [], []
         for i, (batch, seq) in enumerate(calls):
+            if before and i in before:
+                before[i](model)
             if seq >= 8:
                 ids, labels = make_batch(VOCAB, batch, seq, i)
             else:  # (make_batch puts ignored labels in longer batches)
@@ -166,6 +169,20 @@ def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
     torch._dynamo.reset()
     run("one token", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
         [(2, 16), (2, world), (2, 16), (2, 32), (2, 16)])
+    # Parameters frozen after the switch (gradual unfreezing, in reverse): Dynamo guards on
+    # requires_grad, which the recorded calls do not hold. The first length's static graph no
+    # longer serves it, and the call takes the symbolic graph, which the next new length
+    # reuses: one graph per change, as with dynamic=True, not one in each torch.compile
+    # (breaker helper-63: the recompile limit reached at the fourth change).
+    torch._dynamo.reset()
+
+    def freeze(*names: str) -> Any:
+        return lambda m: [p.requires_grad_(False) for n, p in m.named_parameters()
+                          if n.startswith(names)]
+
+    run("frozen", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+        [(2, 16), (2, 32), (2, 16), (2, 48), (2, 16), (2, 64), (2, 32)],
+        before={2: freeze("lm_head"), 4: freeze("norm")})
     return out
 
 
@@ -177,6 +194,7 @@ def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
         assert out["limit"][0] == [1, 2, 3, 4, 5, 6, 7, 7], out["limit"][0]
         assert out["branch"][0] == [1, 2, 2, 2], out["branch"][0]
         assert out["one token"][0] == [1, 1, 1, 2, 2], out["one token"][0]
+        assert out["frozen"][0] == [1, 2, 3, 3, 4, 4, 4], out["frozen"][0]
 
 
 def test_a_bad_dynamic_is_refused() -> None:
@@ -267,3 +285,20 @@ def test_bake_regions_bakes_one_literal_per_subgraph_and_refuses_two() -> None:
     gm, sub = _two_calls(3, 4)
     assert not _bake_regions(gm)
     assert gm.autosp_layer_0 is sub
+
+
+def test_a_refused_recompile_is_recognised_on_this_pytorch() -> None:
+    """sp_module routes a call from before the switch to its static graph under the stance
+    "fail_on_recompile" and tells Dynamo's refusal (a plain RuntimeError) by its text: pinned
+    here, so that a PyTorch that words it otherwise fails this test, not a user's step."""
+    from autosp.sp_module import _refused_recompile
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x.sin(), backend="eager", dynamic=False)
+    fn(torch.ones(3))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        fn(torch.ones(3))  # served by its graph
+        with pytest.raises(RuntimeError) as refused:
+            fn(torch.ones(4))
+    assert _refused_recompile(refused.value), str(refused.value)
+    assert not _refused_recompile(RuntimeError("shape mismatch"))

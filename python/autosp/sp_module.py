@@ -76,6 +76,13 @@ def _logging_functions() -> set:
 _COMPILES_OF_CODE: collections.Counter = collections.Counter()
 
 
+def _refused_recompile(err: RuntimeError) -> bool:
+    """Whether ``err`` is Dynamo's refusal to compile under the stance "fail_on_recompile",
+    raised before the frame runs (a plain RuntimeError; tests/test_specialize.py checks the
+    text on the installed PyTorch)."""
+    return str(err).startswith("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+
+
 class SequenceParallelModule(nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
     full-length and identical on every rank of the SP group.
@@ -251,7 +258,16 @@ class SequenceParallelModule(nn.Module):
                         # call with gradients (a new grad mode compiles anew).
                         self.sp_backend.remat = "none"
                 if call in self._static_calls:
-                    return self._compiled_static(*args, **kwargs)
+                    try:  # only where a static graph still serves the call
+                        with torch.compiler.set_stance("fail_on_recompile"):
+                            return self._compiled_static(*args, **kwargs)
+                    except RuntimeError as e:
+                        if not _refused_recompile(e):
+                            raise
+                    # Something Dynamo guards on and the call does not record changed (a
+                    # parameter frozen, autocast, strides): a graph compiled here would serve only
+                    # the lengths before the switch, so the symbolic graph serves this call too.
+                    self._static_calls = self._static_calls - {call}
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e
@@ -332,7 +348,9 @@ class SequenceParallelModule(nn.Module):
             f"call: {call}, training={self.module.training}; this module has been called with "
             f"{len(self._signatures)} distinct batch shapes, dtypes and train modes): Dynamo compiles "
             "one graph per batch size, dtype, non-tensor argument value and train/eval mode (for a "
-            "model that reads self.training; a new sequence length does not recompile) and stops at "
+            "model that reads self.training; a new sequence length does not recompile), and per change "
+            "of anything else its guards hold, such as which parameters require gradients, "
+            "autocast or the inputs' strides, and stops at "
             f"torch._dynamo.config.recompile_limit = {limit} per function. Expected at most {limit}: "
             "pad the batch to a few fixed sizes (padding rows whose labels are all -100 add nothing "
             "to a cross-entropy with ignore_index=-100), or raise torch._dynamo.config.recompile_limit "
