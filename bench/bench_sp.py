@@ -69,6 +69,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         choices=["sequence-aware", "default", "none"], help="autosp remat policy")
     parser.add_argument("--eager-handwritten", action="store_true",
                         help="run the hand-written model eagerly instead of torch.compile")
+    parser.add_argument("--handwritten-decoder-frame", action="store_true",
+                        help="loop over the hand-written model's layers in a method of their own "
+                             "(ulysses_handwritten decoder_frame=True): torch.compile then compiles "
+                             "its embedding, lm_head and loss, which it otherwise runs eagerly")
     parser.add_argument("--models", default="autosp,handwritten",
                         help="comma-separated subset of autosp,handwritten to run")
     parser.add_argument("--dynamic", choices=["auto", "true", "false"], default="auto",
@@ -142,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
     first_loss: dict[str, float] = {}
 
     if "handwritten" in args.models:
-        hand = UlyssesLlamaForCausalLM.from_model(reference)
+        hand = UlyssesLlamaForCausalLM.from_model(reference,
+                                                  decoder_frame=args.handwritten_decoder_frame)
         hand_fn = hand if args.eager_handwritten else torch.compile(hand, backend=args.backend)
         models["handwritten"] = hand
         steps["handwritten"] = lambda: hand_fn(input_ids, labels)
@@ -200,6 +205,7 @@ def run(args: argparse.Namespace) -> None:
 
     median = {name: statistics.median(ts) for name, ts in times.items()}
     hand_mode = "eager" if args.eager_handwritten else f"torch.compile({args.backend})"
+    hand_mode += ", decoder frame" if args.handwritten_decoder_frame else ""
     print(
         f"\nautosp bench: P={world} S={args.seq} B={args.batch} hidden={args.hidden} "
         f"layers={args.layers} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={args.vocab} "
