@@ -76,13 +76,6 @@ def _logging_functions() -> set:
 _COMPILES_OF_CODE: collections.Counter = collections.Counter()
 
 
-def _refused_recompile(err: RuntimeError) -> bool:
-    """Whether ``err`` is Dynamo's refusal to compile under the stance "fail_on_recompile",
-    raised before the frame runs (a plain RuntimeError; tests/test_specialize.py checks the
-    text on the installed PyTorch)."""
-    return str(err).startswith("Detected recompile when torch.compile stance is 'fail_on_recompile'")
-
-
 class SequenceParallelModule(nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
     full-length and identical on every rank of the SP group.
@@ -116,9 +109,10 @@ class SequenceParallelModule(nn.Module):
         # autosp.compile(dynamic=None): static sizes for the first sequence length, one graph
         # for every length from the second on (what torch.compile does by default).
         self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
-        self._calls: set[tuple] = set()  # (length, signature, grad mode) before the switch
+        # (length, signature, grad mode, _guarded_state) of the calls before the switch
+        self._calls: set[tuple] = set()
         self._static_calls: frozenset[tuple] = frozenset()  # the same, frozen at the switch
-        self._static_graphs = 0  # Dynamo graphs compiled before the switch
+        self._static_graphs = 0  # Dynamo graphs compiled by the first torch.compile
         # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions),
         # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
         dynamo_regions.unmark_layers(model)
@@ -190,6 +184,21 @@ class SequenceParallelModule(nn.Module):
             key.append((name, tuple(None if d in dims else n for d, n in enumerate(t.shape)), t.dtype))
         return seq, (tuple(key), self.module.training)
 
+    def _guarded_state(self, args: tuple, kwargs: dict) -> tuple:
+        """What else Dynamo's guards commonly hold, for routing a call after the switch to the
+        static graph only while one serves it: which parameters require gradients, their
+        dtypes, autocast, and which inputs are contiguous. (A change outside it, after the
+        switch, compiles a graph in the first torch.compile; forward counts it towards the
+        recompile limit.)"""
+        if not self._dynamic_after_one_length and not self._static_calls:
+            return ()
+        params = tuple((p.requires_grad, p.dtype) for p in self.module.parameters())
+        autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in ("cpu", "cuda"))
+        layout = tuple(t.is_contiguous() for t in list(args) + list(kwargs.values())
+                       if isinstance(t, torch.Tensor))
+        return params, autocast, layout
+
     def _at_length(self, seq: int) -> None:
         """With ``dynamic=None``: at the first call with a second sequence length, compile one
         graph for every length. A new ``torch.compile`` of the model gives Dynamo a backend of
@@ -199,7 +208,7 @@ class SequenceParallelModule(nn.Module):
         modes) go on through the first ``torch.compile`` to their static graphs, as
         ``torch.compile`` keeps its static graph for the first shape; every other call takes the
         new one, so that no signature has a graph in both."""
-        seen = {length for length, _, _ in self._calls}
+        seen = {call[0] for call in self._calls}
         # At a new length, and not at one token per rank: Dynamo would specialise the graph on
         # a chunk of size 1.
         if self._dynamic_after_one_length and seen and seq not in seen \
@@ -228,7 +237,7 @@ class SequenceParallelModule(nn.Module):
         seq, prepared = self._prepare(args, kwargs)
         self._at_length(seq)
         self._signatures.setdefault(prepared, None)
-        call = (seq, prepared, torch.is_grad_enabled())
+        call = (seq, prepared, torch.is_grad_enabled(), self._guarded_state(args, kwargs))
         if self._dynamic_after_one_length:
             self._calls.add(call)
         patch: dict[str, Any] = {}
@@ -258,16 +267,11 @@ class SequenceParallelModule(nn.Module):
                         # call with gradients (a new grad mode compiles anew).
                         self.sp_backend.remat = "none"
                 if call in self._static_calls:
-                    try:  # only where a static graph still serves the call
-                        with torch.compiler.set_stance("fail_on_recompile"):
-                            return self._compiled_static(*args, **kwargs)
-                    except RuntimeError as e:
-                        if not _refused_recompile(e):
-                            raise
-                    # Something Dynamo guards on and the call does not record changed (a
-                    # parameter frozen, autocast, strides): a graph compiled here would serve only
-                    # the lengths before the switch, so the symbolic graph serves this call too.
-                    self._static_calls = self._static_calls - {call}
+                    before = len(self.sp_backend.records)
+                    try:
+                        return self._compiled_static(*args, **kwargs)
+                    finally:  # a guard the call's record misses failed: a graph more there
+                        self._static_graphs += len(self.sp_backend.records) - before
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e
