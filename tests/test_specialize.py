@@ -151,6 +151,18 @@ class _Tapped(torch.nn.Module):
         return _tap(self.inner(x))
 
 
+class _ReadsMode(torch.nn.Module):
+    """A model whose forward reads an int attribute (Dynamo guards on its value)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mode = 0
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids, labels) * (1.0 + 0.1 * self.mode)
+
+
 def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
     """Dynamo graphs after each call of three runs with dynamic=None (breaker helper-61)."""
     import autosp
@@ -220,6 +232,27 @@ def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
         taps.append(_TAPS[0])
         _TAPS[0] = 0
 
+    # A value the model reads changing after the switch (a step counter): Dynamo guards on it,
+    # the call's record does not hold it. The static compile refuses the call and it takes the
+    # symbolic graph, so the recompile limit (3, raised by the one static graph) stops it at
+    # the same change as dynamic=True's (breaker helper-66: graphs in the static compile raised
+    # the limit in turn, without end).
+    torch._dynamo.reset()
+    flagged = _ReadsMode(build_model(tiny_config(4, 2, vocab_size=VOCAB)))
+    compiled = autosp.compile(flagged, mesh=mesh, backend="aot_eager")
+    graphs: list[Any] = []
+    results = []
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for step, seq in enumerate([16, 32, 16, 16, 16, 16]):
+            flagged.mode = max(0, step - 1)
+            ids, labels = make_batch(VOCAB, 2, seq, step)
+            try:
+                results.append(step_against_reference(flagged, compiled, ids, labels))
+            except autosp.AutospError as e:
+                graphs.append(str(e)[:18])
+                break
+            graphs.append(len(compiled.sp_backend.records))
+    out["mode"] = (graphs, results)
     _TAPS[0] = 0
     run("tapped", model, [(2, 16), (2, 32), (2, 16), (2, 16)], before={1: count, 2: count, 3: count})
     count(model)
@@ -238,7 +271,8 @@ def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
         assert out["one token"][0] == [1, 1, 1, 2, 2], out["one token"][0]
         assert out["frozen"][0] == [1, 2, 3, 3, 4, 4, 4], out["frozen"][0]
         assert out["tapped"][0] == [1, 2, 2, 2], out["tapped"][0]
-        assert taps == [2, 2, 2, 2], taps  # the reference model's step and the compiled one
+        assert taps == [2, 2, 2, 2], taps
+        assert out["mode"][0] == [1, 2, 3, 4, "[autosp:recompile]"], out["mode"][0]  # the reference model's step and the compiled one
 
 
 def test_a_bad_dynamic_is_refused() -> None:

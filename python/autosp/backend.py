@@ -30,6 +30,12 @@ from autosp.remat_regions import RegionAdmissions
 from autosp.specialize import PerShapeCompiled, Retemplate
 
 
+class CompileRefused(Exception):
+    """Raised by a backend whose ``refuse_compiles`` is set, before anything is compiled (the
+    static compile of ``autosp.compile(dynamic=None)`` after its switch: a call that its static
+    graphs no longer serve takes the symbolic graph instead; autosp.sp_module)."""
+
+
 @dataclass
 class Stage:
     name: str
@@ -160,6 +166,7 @@ class SequenceParallelBackend:
         # With layers marked for Dynamo to trace once: which one is no longer alike the others
         # (autosp.dynamo_regions.marked_apart), asked before each compile; set by the module.
         self.layers_apart: Callable[[], str | None] | None = None
+        self.refuse_compiles = False  # set by the module around calls that must not compile
 
     @property
     def last(self) -> CompileRecord:
@@ -184,6 +191,8 @@ class SequenceParallelBackend:
         """Compile one Dynamo graph. Raises only AutospError: a problem with the model is
         reported as such; any other exception from autosp's own stages (bridge, plan,
         apply, compile) becomes an internal-error AutospError chained to it."""
+        if self.refuse_compiles:
+            raise CompileRefused()
         if not isinstance(self.remat, (str, MemoryBudget, Offload)) or self.remat == AUTO:
             raise AutospError(f"[autosp:compile] found remat={self.remat!r} at compile time; "
                               "expected a policy name, a MemoryBudget or an Offload (remat="

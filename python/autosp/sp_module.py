@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autosp import dynamo_regions, dynamo_reuse, guard, shard
-from autosp.backend import SequenceParallelBackend
+from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 
 
@@ -109,10 +109,9 @@ class SequenceParallelModule(nn.Module):
         # autosp.compile(dynamic=None): static sizes for the first sequence length, one graph
         # for every length from the second on (what torch.compile does by default).
         self._dynamic_after_one_length = dynamic_after_one_length and not sp_backend.dynamic
-        # (length, signature, grad mode, _guarded_state) of the calls before the switch
-        self._calls: set[tuple] = set()
+        self._calls: set[tuple] = set()  # (length, signature, grad mode) before the switch
         self._static_calls: frozenset[tuple] = frozenset()  # the same, frozen at the switch
-        self._static_graphs = 0  # Dynamo graphs compiled by the first torch.compile
+        self._static_graphs = 0  # Dynamo graphs compiled before the switch
         # regions=True: Dynamo traces each class of repeated layers once (autosp.dynamo_regions),
         # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
         dynamo_regions.unmark_layers(model)
@@ -184,20 +183,23 @@ class SequenceParallelModule(nn.Module):
             key.append((name, tuple(None if d in dims else n for d, n in enumerate(t.shape)), t.dtype))
         return seq, (tuple(key), self.module.training)
 
-    def _guarded_state(self, args: tuple, kwargs: dict) -> tuple:
-        """What else Dynamo's guards commonly hold, for routing a call after the switch to the
-        static graph only while one serves it: which parameters require gradients, their
-        dtypes, autocast, and which inputs are contiguous. (A change outside it, after the
-        switch, compiles a graph in the first torch.compile; forward counts it towards the
-        recompile limit.)"""
-        if not self._dynamic_after_one_length and not self._static_calls:
-            return ()
-        params = tuple((p.requires_grad, p.dtype) for p in self.module.parameters())
-        autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                         for d in ("cpu", "cuda"))
-        layout = tuple(t.is_contiguous() for t in list(args) + list(kwargs.values())
-                       if isinstance(t, torch.Tensor))
-        return params, autocast, layout
+    def _static_graph(self, call: tuple, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """After the switch, run ``call``, made as before it, on its static graph: (True, its
+        result). (False, None) where none serves it any more: Dynamo's guards hold more
+        than the call's record (which parameters require gradients, autocast, strides, values
+        the model reads), and a graph compiled there would serve only the lengths from before
+        the switch. Dynamo then traces the call, the backend refuses it before compiling or
+        running anything, and the call is no longer taken for one made before the switch."""
+        self.sp_backend.refuse_compiles = True
+        try:
+            return True, self._compiled_static(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if not isinstance(getattr(e, "inner_exception", None) or e.__cause__, CompileRefused):
+                raise
+        finally:
+            self.sp_backend.refuse_compiles = False
+        self._static_calls = self._static_calls - {call}
+        return False, None
 
     def _at_length(self, seq: int) -> None:
         """With ``dynamic=None``: at the first call with a second sequence length, compile one
@@ -237,7 +239,7 @@ class SequenceParallelModule(nn.Module):
         seq, prepared = self._prepare(args, kwargs)
         self._at_length(seq)
         self._signatures.setdefault(prepared, None)
-        call = (seq, prepared, torch.is_grad_enabled(), self._guarded_state(args, kwargs))
+        call = (seq, prepared, torch.is_grad_enabled())
         if self._dynamic_after_one_length:
             self._calls.add(call)
         patch: dict[str, Any] = {}
@@ -267,11 +269,9 @@ class SequenceParallelModule(nn.Module):
                         # call with gradients (a new grad mode compiles anew).
                         self.sp_backend.remat = "none"
                 if call in self._static_calls:
-                    before = len(self.sp_backend.records)
-                    try:
-                        return self._compiled_static(*args, **kwargs)
-                    finally:  # a guard the call's record misses failed: a graph more there
-                        self._static_graphs += len(self.sp_backend.records) - before
+                    served, result = self._static_graph(call, args, kwargs)
+                    if served:
+                        return result
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__ or e
