@@ -232,6 +232,14 @@ def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
         taps.append(_TAPS[0])
         _TAPS[0] = 0
 
+    # Parameters frozen after the switch, compiled at a new length, then a call at the first
+    # length, under a recompile limit that the graphs of both compiles fill: the symbolic graph
+    # serves it, as with dynamic=True (breaker helper-67: the static compile hit the limit
+    # before its backend could refuse, and the call raised [autosp:recompile] for good).
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        run("full", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+            [(2, 16), (2, 32), (2, 32), (2, 16), (2, 16)], before={2: freeze("lm_head")})
     # A value the model reads changing after the switch (a step counter): Dynamo guards on it,
     # the call's record does not hold it. The static compile refuses the call and it takes the
     # symbolic graph, so the recompile limit (3, raised by the one static graph) stops it at
@@ -272,6 +280,7 @@ def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
         assert out["frozen"][0] == [1, 2, 3, 3, 4, 4, 4], out["frozen"][0]
         assert out["tapped"][0] == [1, 2, 2, 2], out["tapped"][0]
         assert taps == [2, 2, 2, 2], taps
+        assert out["full"][0] == [1, 2, 3, 3, 3], out["full"][0]
         assert out["mode"][0] == [1, 2, 3, 4, "[autosp:recompile]"], out["mode"][0]  # the reference model's step and the compiled one
 
 

@@ -196,6 +196,8 @@ class SequenceParallelModule(nn.Module):
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if not isinstance(getattr(e, "inner_exception", None) or e.__cause__, CompileRefused):
                 raise
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            pass  # the code's graphs (both compiles') fill the limit: one of the symbolic may serve
         finally:
             self.sp_backend.refuse_compiles = False
         self._static_calls = self._static_calls - {call}
