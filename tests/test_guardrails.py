@@ -31,11 +31,13 @@ from autosp.backend import SequenceParallelBackend
 from autosp.errors import at_node
 from distributed import (
     assert_grads_close,
+    assert_step_exact,
     build_model,
     grads_of,
     make_batch,
     reference_loss_and_grads,
     run_ranks,
+    step_against_reference,
     tiny_config,
 )
 
@@ -306,6 +308,30 @@ def test_recompile_limit_is_explained() -> None:
         assert "train/eval mode (for a model that reads self.training; a new sequence length does not " \
                "recompile)" in msg
         assert out[3] == ("ok", ""), out[3]
+
+
+def _hook_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    """A forward hook registered after the first compile, then removed: each step is the
+    single-device step of the model as it is (breaker helper-66: Dynamo's default does not
+    guard on hooks, and the graph compiled without the hook ran on)."""
+    cfg = _cfg()
+    model = build_model(cfg)
+    compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager")
+    out = []
+    for hooked in (False, True, False):
+        handle = model.norm.register_forward_hook(lambda m, i, o: o * 2.0) if hooked else None
+        ids, labels = make_batch(cfg.vocab_size, 2, SEQ)
+        out.append(step_against_reference(model, compiled, ids, labels))
+        if handle is not None:
+            handle.remove()
+    return out
+
+
+def test_a_hook_added_after_the_compile_takes_effect() -> None:
+    for rank, out in enumerate(run_ranks(2, _hook_worker, timeout=TIMEOUT_S)):
+        for i, step in enumerate(out):
+            assert_step_exact(step, f"rank {rank}, step {i} (hook on: {i == 1})")
+        assert abs(out[1]["loss"] - out[0]["loss"]) > 1e-3  # the hook changes the loss
 
 
 def _instances_worker(rank: int, world: int) -> list[tuple[str, str]]:

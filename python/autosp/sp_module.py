@@ -244,7 +244,9 @@ class SequenceParallelModule(nn.Module):
         call = (seq, prepared, torch.is_grad_enabled())
         if self._dynamic_after_one_length:
             self._calls.add(call)
-        patch: dict[str, Any] = {}
+        # A hook added or removed after a compile recompiles, where Dynamo's default runs the
+        # graph compiled without it: a loss and gradients without the hook's effect, silently.
+        patch: dict[str, Any] = {"skip_nnmodule_hook_guards": False}
         if self._capture_data_dependent:
             # Data-dependent ops (torch.where(mask) in MoE routing) are captured into the graph,
             # where the core keeps them local to each rank's tokens (token-local regions). Only
