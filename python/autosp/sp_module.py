@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autosp import dynamo_regions, dynamo_reuse, guard, shard
 from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
+from autosp.param_state import ParamState
 
 
 def _is_int(value: Any) -> bool:
@@ -98,7 +99,8 @@ class SequenceParallelModule(nn.Module):
         self.names = guard.positional_names(model.forward)
         self.sp_group = sp_group
         self._capture_data_dependent = False
-        self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group)
+        self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group,
+                                            params=sum(1 for _ in model.parameters()))
         self._signatures: dict[tuple, None] = {}  # distinct shapes (S aside), dtypes, train mode
         self._code = getattr(getattr(model.forward, "__func__", model.forward), "__code__", None)
         _COMPILES_OF_CODE[self._code] += 1
@@ -123,20 +125,10 @@ class SequenceParallelModule(nn.Module):
             sp_backend.layers_apart = functools.partial(dynamo_regions.marked_apart, model)
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
         self.remat_choice: Any = None  # what remat="auto" chose (autosp.remat_auto.AutoChoice)
-        self._dp_hooks = []
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            # Data parallelism across SP groups: average each gradient over "dp" once it is
-            # complete (the SP reduction already happened inside the compiled graph).
-            dp_size = dist.get_world_size(dp_group)
-
-            def average(p: torch.Tensor) -> None:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=dp_group)
-                    p.grad.div_(dp_size)
-
-            for p in model.parameters():
-                if p.requires_grad:
-                    self._dp_hooks.append(p.register_post_accumulate_grad_hook(average))
+        # Which parameters require gradients and their dtypes, compared across the SP group
+        # with the inputs; with data parallelism across SP groups, each trainable parameter's
+        # gradient is averaged over "dp" (the SP reduction happens inside the compiled graph).
+        self.param_state = ParamState(model, dp_group)
 
     def _arg_name(self, key: int | str) -> str:
         if isinstance(key, str):
@@ -232,12 +224,16 @@ class SequenceParallelModule(nn.Module):
             object.__setattr__(self, "_compiled", torch.compile(
                 self.module, backend=every_length, fullgraph=True, dynamic=False))
 
+    # Called inside the user's own torch.compile (a compiled training step), the call is a graph
+    # break: this module runs its own compiled graph, as an island in theirs.
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.sp_group is not None and not _group_alive(self.sp_backend.ctx.group):
             raise _dead_group_error("forward", self.sp_backend.ctx.group)
         leaves = guard.flatten_inputs(args, kwargs, self.names)
         sig = guard.signature(leaves)
-        self.input_guard.check_call(leaves, sig)  # before any local check: ranks decide alike
+        # Before any local check: ranks decide alike.
+        self.input_guard.check_call(leaves, sig, self.param_state.state())
         seq, prepared = self._prepare(args, kwargs)
         self._at_length(seq)
         self._signatures.setdefault(prepared, None)
