@@ -8,7 +8,10 @@
   error 1.03 against the data-parallel mean), and a parameter frozen on one SP group only is
   named on every rank of the mesh;
 - the compiled module called inside the user's own ``torch.compile`` (a compiled training step)
-  is exact: a graph break, where it failed in Dynamo before (``mark_dynamic`` traced).
+  is exact: a graph break, where it failed in Dynamo before (``mark_dynamic`` traced);
+- ``copy.deepcopy`` of the compiled module copies the model and compiles the copy as the
+  original was (it failed on the fake tensors of the compile records), and pickling it is
+  refused with an AutospError (it failed on a weakref).
 
 Gloo groups at world 2 and 4 (tests/distributed.py), tiny models, ``aot_eager``.
 """
@@ -126,3 +129,30 @@ def test_called_inside_the_users_torch_compile() -> None:
     for rank, out in enumerate(run_ranks(2, _inside_user_compile_worker, timeout=TIMEOUT_S)):
         for i, step in enumerate(out):
             assert_step_exact(step, f"rank {rank}, step {i}")
+
+
+def _copy_worker(rank: int, world: int) -> dict[str, Any]:
+    import copy
+    import io
+
+    cfg = _cfg()
+    model = build_model(cfg)
+    compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", remat="none")
+    ids, labels = make_batch(cfg.vocab_size, 1, 16)
+    compiled(ids, labels).backward()
+    twin = copy.deepcopy(compiled)  # after a compile: the model copied and compiled again
+    out = {"twin_is_new": twin.module is not model and twin.sp_backend is not compiled.sp_backend,
+           "same_weights": all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                                twin.module.parameters())),
+           "twin_step": step_against_reference(twin.module, twin, ids, labels),
+           "pickle": _outcome(lambda: torch.save(compiled, io.BytesIO()))}
+    return out
+
+
+def test_a_deep_copy_compiles_again_and_pickling_is_refused() -> None:
+    for rank, r in enumerate(run_ranks(2, _copy_worker, timeout=TIMEOUT_S)):
+        assert r["twin_is_new"] and r["same_weights"]
+        assert_step_exact(r["twin_step"], f"rank {rank}, the copy")
+        kind, msg = r["pickle"]
+        assert kind == "AutospError" and msg.startswith(
+            "[autosp:compile] found the compiled module pickled (pickle, torch.save)"), r["pickle"]

@@ -252,6 +252,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     (autosp.tiled_rows). Exact up to the order of the weights' gradient sums; costs a second
     forward of the block. ``SequenceParallelModule.mlp_tiling`` lists the blocks.
     """
+    compile_kwargs = {k: v for k, v in locals().items() if k != "model"}  # for copies
     if backend not in BACKENDS:
         raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
     auto = Auto() if isinstance(remat, str) and remat == AUTO else remat
@@ -276,6 +277,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     module = SequenceParallelModule(model, sp_backend, seq_dim, dp_group=dp_group if average_dp else None,
                                     sp_group=mesh.get_group("sp"), check_inputs=check_inputs,
                                     mesh_dp_group=dp_group, dynamic_after_one_length=dynamic is None)
+    module.compile_kwargs = compile_kwargs
     if auto is not None:
         from autosp import remat_auto
 

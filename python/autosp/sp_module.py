@@ -6,6 +6,7 @@ from capture and compilation become AutospErrors. Re-exported by ``autosp.api``.
 from __future__ import annotations
 
 import collections
+import copy
 import contextlib
 import functools
 import numbers
@@ -21,6 +22,7 @@ from autosp import dynamo_regions, dynamo_reuse, guard, shard
 from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 from autosp.param_state import ParamState
+from autosp.sp_records import CompileRecords
 
 
 def _is_int(value: Any) -> bool:
@@ -77,7 +79,7 @@ def _logging_functions() -> set:
 _COMPILES_OF_CODE: collections.Counter = collections.Counter()
 
 
-class SequenceParallelModule(nn.Module):
+class SequenceParallelModule(CompileRecords, nn.Module):
     """``model`` compiled for Ulysses SP. Call it with the same arguments as ``model``,
     full-length and identical on every rank of the SP group.
 
@@ -99,6 +101,7 @@ class SequenceParallelModule(nn.Module):
         self.names = guard.positional_names(model.forward)
         self.sp_group = sp_group
         self._capture_data_dependent = False
+        self.compile_kwargs: dict[str, Any] | None = None  # autosp.compile's arguments, for copies
         self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group,
                                             params=sum(1 for _ in model.parameters()))
         self._signatures: dict[tuple, None] = {}  # distinct shapes (S aside), dtypes, train mode
@@ -361,38 +364,22 @@ class SequenceParallelModule(nn.Module):
             "(each new signature compiles the model again)."
         )
 
-    @property
-    def last_compile(self) -> Any:
-        """Stage-by-stage record of the last compilation (core IR, plan, FX graph)."""
-        return self.sp_backend.last
+    def __deepcopy__(self, memo: dict[int, Any]) -> "SequenceParallelModule":
+        """A deep copy of the model, compiled as this one was (on the same mesh): compiled
+        graphs and process groups are not copied. ``copy.deepcopy`` of a plain
+        ``torch.compile``d module copies the model and compiles it again, too."""
+        if self.compile_kwargs is None:
+            raise AutospError("[autosp:compile] found a deep copy of a SequenceParallelModule made "
+                              "without autosp.compile; expected the module autosp.compile "
+                              "returns: copy the model and compile the copy.")
+        from autosp.api import compile as compile_model
 
-    @property
-    def gathered(self) -> list[str]:
-        """The ops of every compiled graph that run on the all-gathered full sequence
-        (``unsupported="gather"``), each as the error autosp would have stopped with."""
-        return [reason for rec in self.sp_backend.records for reason in rec.gathered]
+        return compile_model(copy.deepcopy(self.module, memo), **self.compile_kwargs)
 
-    @property
-    def loss_tiling(self) -> list[str]:
-        """With ``tile_loss=True``: per cross-entropy of every compiled graph, "tiled: ..." or
-        "not tiled: <why>", with its source line."""
-        return [line for rec in self.sp_backend.records for line in rec.loss_tiling]
-
-    @property
-    def mlp_tiling(self) -> list[str]:
-        """With ``tile_mlp=True``: per row-wise block (MLP) of every compiled graph, "tiled:
-        ..." or "not tiled: <why>", with its source line."""
-        return [line for rec in self.sp_backend.records for line in rec.mlp_tiling]
-
-    @property
-    def decomposed(self) -> list[str]:
-        """Composite Torch functions (``multi_head_attention_forward``) taken apart into ATen
-        ops and planned op by op (autosp.decompose), by name, over every compiled graph."""
-        return [name for rec in self.sp_backend.records for name in rec.decomposed]
-
-    @property
-    def tiled_masks(self) -> list[str]:
-        """The attention calls of every compiled graph whose ``[S, S]`` mask autosp never
-        materialises: it is computed from its O(S) operands one tile of query rows at a time
-        (see docs/sp.md, "Attention masks"). Each as its source location."""
-        return [loc for rec in self.sp_backend.records for loc in rec.tiled_masks]
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise AutospError(
+            "[autosp:compile] found the compiled module pickled (pickle, torch.save); expected the "
+            "model or its weights to be saved: the compiled module holds process groups and "
+            "compiled graphs, which do not pickle. Save compiled.module (or its state_dict(); "
+            "compiled.state_dict() holds the same under \"module.\") and compile it again after "
+            "loading.")
