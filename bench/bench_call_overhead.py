@@ -11,9 +11,9 @@ Two parts, each against a baseline measured in the same run:
    under plain ``torch.compile`` with a backend that returns constants (so that only Dynamo's
    guards and frame entry are timed), each setting in a fresh process: microseconds per call
    with the guards skipped (Dynamo's default) and checked, and the difference.
-2. **The parameter state** (autosp.param_state.ParamState.state: which parameters require
-   gradients and their dtypes, compared across ranks by the input guard) per call, against a
-   forward of the same model in eager mode.
+2. **The model state** (autosp.model_state.ModelState.state: a walk of the modules and
+   parameters, which require gradients, their dtypes and the hooks, compared across ranks by
+   the input guard) per call, against a forward of the same model in eager mode.
 
 Nothing is asserted; the numbers are per call, best of 7 rounds.
 """
@@ -87,15 +87,16 @@ def main() -> None:
 
     import torch
 
-    from autosp.param_state import ParamState
+    from autosp.model_state import ModelState
 
     model = _model(args.layers)
-    state = ParamState(model)
+    state = ModelState(model)
     ids = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
         eager = _best_us(lambda: model(ids, ids), 50)
     per_call = _best_us(state.state, 2000)
-    print(f"parameter state, {len(state.params)} parameters: {per_call:.1f} us per call, "
+    print(f"model state, {sum(1 for _ in model.parameters())} parameters, {modules} modules: "
+          f"{per_call:.1f} us per call, "
           f"{per_call / eager:.4f}x an eager forward of this model at 8 tokens ({eager:.0f} us)")
 
 

@@ -11,7 +11,7 @@
 from autosp.api import backend, compile, init_mesh
 from autosp.offload_optimizer import OffloadOptimizer
 from autosp.shard import MixedPrecisionPolicy, fully_shard
-from autosp.errors import AutospError, AutospGatherWarning
+from autosp.errors import AutospError, AutospGatherWarning, AutospHookWarning
 from autosp.compile_cache import source_hash as _source_hash
 
 # The code's hash that keys autosp's entries in PyTorch's compile caches, taken now, from the
@@ -20,7 +20,7 @@ from autosp.compile_cache import source_hash as _source_hash
 # code's key (autosp.compile_cache.source_hash).
 _source_hash()
 
-__all__ = ["AutospError", "AutospGatherWarning", "MixedPrecisionPolicy", "OffloadOptimizer", "backend", "compile", "fully_shard",
+__all__ = ["AutospError", "AutospGatherWarning", "AutospHookWarning", "MixedPrecisionPolicy", "OffloadOptimizer", "backend", "compile", "fully_shard",
            "init_mesh", "plan"]
 
 

@@ -30,6 +30,11 @@ class AutospGatherWarning(UserWarning):
     exact, but their activations are not split. The message names each op and source line."""
 
 
+class AutospHookWarning(UserWarning):
+    """A global module hook (``torch.nn.modules.module.register_module_forward_hook`` and the
+    like) was registered after the model was compiled: the compiled graph runs without it."""
+
+
 # The (stage, node) being processed, innermost last; set by at_node.
 _NODE: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
     "autosp_node", default=()

@@ -11,8 +11,9 @@ otherwise train silently on garbage, or hang in a collective with mismatched siz
 1. a fixed-size descriptor of every argument (tensors: ndim, shape, dtype; Python
    scalars: a hash of the value), so that ranks with different numbers, shapes or
    dtypes of arguments still take part in the same, equally sized collective. It holds
-   the model's parameter state too (autosp.param_state: which parameters require
-   gradients, their dtypes), which the plan's collectives follow as they do the inputs;
+   the model's state too (autosp.model_state: which parameters require gradients, their
+   dtypes, the module hooks), which the plan's collectives and each rank's part of the
+   result follow as they do the inputs;
 2. only if the descriptors agree: two int64 checksums of every tensor's bytes (the sum
    of its elements' bit patterns, and that sum weighted by a position ramp, so that a
    permuted or shifted batch differs, not only a different sum);
@@ -37,14 +38,14 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autosp.errors import AutospError
-from autosp.param_state import state_text
+from autosp.model_state import state_text
 
 CHECK_INPUTS = ("on_change", "always", "never")
 
 MAX_SLOTS = 32  # arguments described one by one; the rest are folded into one hash
 MAX_NDIM = 8  # dims described one by one; the rest are folded into one hash
 _ROW = 4 + MAX_NDIM + 1  # kind, key, ndim, dtype (or value hash), dims, overflow dims hash
-_HEADER = 5  # magic, number of arguments, overflow-arguments hash, parameter state (2)
+_HEADER = 6  # magic, number of arguments, overflow-arguments hash, model state (3)
 _MAGIC = 0x5A5A
 _EMPTY, _TENSOR, _SCALAR, _OTHER = 0, 1, 2, 3
 _CHUNK = 1 << 22  # elements checksummed at a time (bounds the int64 temporaries)
@@ -153,9 +154,9 @@ def _row(leaf: Leaf) -> list[int]:
     return row
 
 
-def descriptor(leaves: Sequence[Leaf], params: tuple[int, int] = (0, 0)) -> list[int]:
+def descriptor(leaves: Sequence[Leaf], params: tuple[int, int, int] = (0, 0, 0)) -> list[int]:
     """The fixed-size (``_HEADER + MAX_SLOTS * _ROW`` int64) description of a call, with the
-    parameter state ``params`` (autosp.param_state.ParamState.state)."""
+    model state ``params`` (autosp.model_state.ModelState.state)."""
     rows = [_row(leaf) for leaf in leaves]
     overflow = _crc(repr(rows[MAX_SLOTS:])) if len(rows) > MAX_SLOTS else 0
     out = [_MAGIC, len(rows), overflow, *params]
@@ -244,9 +245,8 @@ class InputGuard:
     """
 
     def __init__(self, group: Any, mode: str = "on_change", names: Sequence[str] = (),
-                 dp_group: Any = None, params: int = 0) -> None:
+                 dp_group: Any = None) -> None:
         self.group = group
-        self.params = params  # how many parameters the model has, for messages
         self.dp_group = dp_group
         self.mode = check_mode(mode)
         self.names = list(names)
@@ -254,7 +254,7 @@ class InputGuard:
         self.checks = 0  # how many comparisons ran (for tests and benchmarks)
 
     def check_call(self, leaves: Sequence[Leaf], sig: tuple | None = None,
-                   params: tuple[int, int] = (0, 0)) -> None:
+                   params: tuple[int, int, int] = (0, 0, 0)) -> None:
         """Check one call's ``leaves`` (from :func:`flatten_inputs`; ``sig`` their
         :func:`signature`) and the model's parameter state ``params`` as the mode says."""
         if self.mode == "never" or self.group is None or dist.get_world_size(self.group) < 2:
@@ -276,17 +276,21 @@ class InputGuard:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return bool(flag.item())
 
-    def check(self, leaves: Sequence[Leaf], params: tuple[int, int] = (0, 0)) -> None:
+    def check(self, leaves: Sequence[Leaf], params: tuple[int, int, int] = (0, 0, 0)) -> None:
         """Compare ``leaves`` and ``params`` across the group; raise the same AutospError on
         every rank."""
         self.checks += 1
-        error = self._compare(leaves, params)
+        error, states = self._compare(leaves, params)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            # The parameter state over "dp" too: the gradients' averaging over it follows it.
-            ranks = dist.get_process_group_ranks(self.dp_group)
-            states = _all_gather(torch.tensor(list(params), dtype=torch.int64,
-                                              device=_comm_device(self.dp_group)), self.dp_group)
-            error = error or self._compare_params(states, ranks, "data-parallel group")
+            # Every SP group's model states, over "dp": each rank of the mesh holds them all, so
+            # that a mismatch is worded alike on every rank.
+            sp_ranks = dist.get_process_group_ranks(self.group)
+            rows = torch.tensor([[r, *st] for r, st in zip(sp_ranks, states)], dtype=torch.int64,
+                                device=_comm_device(self.dp_group))
+            mesh = sorted(tuple(flat[i:i + 4]) for flat in _all_gather(rows.flatten(), self.dp_group)
+                          for i in range(0, len(flat), 4))
+            error = self._compare_params([m[1:] for m in mesh], [m[0] for m in mesh],
+                                         "mesh (its SP and data-parallel groups)") or error
             # The smallest global rank of an SP group that failed, over the "dp" axis.
             none = 1 << 62
             first = torch.tensor([min(dist.get_process_group_ranks(self.group)) if error else none],
@@ -295,26 +299,29 @@ class InputGuard:
             failed = int(first.item())
             if error is None and failed != none:
                 error = AutospError(
-                    f"[autosp:inputs] found the inputs or parameters of another SP group (the one "
-                    f"with global rank {failed}) different across its ranks, which raise the details; " + EXPECTED)
+                    f"[autosp:inputs] found the inputs of another SP group (the one with global "
+                    f"rank {failed}) different across its ranks, which raise the details; " + EXPECTED)
         if error is not None:
             raise error
 
-    def _compare(self, leaves: Sequence[Leaf], params: tuple[int, int]) -> AutospError | None:
+    def _compare(self, leaves: Sequence[Leaf], params: tuple[int, int, int]
+                 ) -> tuple[AutospError | None, list[list[int]]]:
+        """The error for this SP group, if any, and its ranks' model states."""
         device = _comm_device(self.group)
         ranks = dist.get_process_group_ranks(self.group)
         desc = _all_gather(torch.tensor(descriptor(leaves, params), dtype=torch.int64, device=device),
                            self.group)
-        error = self._compare_params([d[3:5] for d in desc], ranks, "SP group") \
+        states = [d[3:6] for d in desc]
+        error = self._compare_params(states, ranks, "SP group") \
             or self._compare_descriptors(desc, ranks, leaves)
         tensors = [leaf for leaf in leaves if isinstance(leaf.value, torch.Tensor)]
         if error is not None or not tensors:  # every rank of the group takes the same branch
-            return error
+            return error, states
         local = torch.stack([checksum(leaf.value).to(device) for leaf in tensors])
         sums = _all_gather(local, self.group)
         bad = [i for i in range(len(tensors)) if len({tuple(s[i]) for s in sums}) > 1]
         if not bad:
-            return None
+            return None, states
         parts = []
         for i in bad:
             leaf = tensors[i]
@@ -324,21 +331,21 @@ class InputGuard:
         return AutospError(
             "[autosp:inputs] found different values across the SP group (global ranks "
             f"{', '.join(map(str, ranks))}) in {'; '.join(parts)}; " + EXPECTED
-        )
+        ), states
 
     def _compare_params(self, states: list[list[int]], ranks: list[int],
                         group: str) -> AutospError | None:
-        """The parameter states (autosp.param_state) gathered over ``group``'s ``ranks``."""
+        """The model states (autosp.model_state) gathered over ``group``'s ``ranks``."""
         if len({tuple(s) for s in states}) == 1:
             return None
-        held = "; ".join(f"{_ranks_text(rs)}: {state_text(n, code, self.params)}"
-                         for (n, code), rs in _groups(states, ranks))
+        held = "; ".join(f"{_ranks_text(rs)}: {state_text(*s)}" for s, rs in _groups(states, ranks))
         return AutospError(
-            f"[autosp:inputs] found the model's parameters set up differently across the {group} "
-            f"(global ranks {', '.join(map(str, ranks))}): {held}; expected every rank to hold the "
-            "same model, with the same parameters requiring gradients and of the same dtypes: the "
-            "compiled step's collectives and the gradients' averaging follow them, and ranks that "
-            "differ would wait in different collectives. Freeze, unfreeze or convert parameters on "
+            f"[autosp:inputs] found the model's parameters or hooks set up differently across the "
+            f"{group} (global ranks {', '.join(map(str, ranks))}): {held}; expected every rank to "
+            "hold the same model, with the same parameters, requiring gradients alike and of the "
+            "same dtypes, and the same module hooks: the compiled step's collectives and the "
+            "gradients' averaging follow the parameters, and each rank computes its part of every "
+            "hooked module. Freeze, unfreeze, convert or add parameters, and register hooks, on "
             "every rank alike." + _OPT_OUT)
 
     def _compare_descriptors(self, desc: list[list[int]], ranks: list[int],

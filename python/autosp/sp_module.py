@@ -9,6 +9,7 @@ import collections
 import copy
 import contextlib
 import functools
+import inspect
 import numbers
 import warnings
 from typing import Any
@@ -21,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autosp import dynamo_regions, dynamo_reuse, guard, shard
 from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
-from autosp.param_state import ParamState
+from autosp.model_state import ModelState, top_level_hooks
 from autosp.sp_records import CompileRecords
 
 
@@ -74,6 +75,12 @@ def _logging_functions() -> set:
     return found
 
 
+# Said by Dynamo where the user's torch.compile(fullgraph=True) meets the compiled module.
+_DISABLE_REASON = {"reason": "autosp.compile's module runs its own compiled graph; call it outside "
+                             "torch.compile(fullgraph=True), or compile without fullgraph (a graph "
+                             "break at this call)"} \
+    if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
+
 #: How many autosp.compile calls compiled each forward's code in this process: Dynamo's
 #: recompile limit counts the graphs of a code object, whichever module they are for.
 _COMPILES_OF_CODE: collections.Counter = collections.Counter()
@@ -102,8 +109,7 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         self.sp_group = sp_group
         self._capture_data_dependent = False
         self.compile_kwargs: dict[str, Any] | None = None  # autosp.compile's arguments, for copies
-        self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group,
-                                            params=sum(1 for _ in model.parameters()))
+        self.input_guard = guard.InputGuard(sp_group, check_inputs, self.names, dp_group=mesh_dp_group)
         self._signatures: dict[tuple, None] = {}  # distinct shapes (S aside), dtypes, train mode
         self._code = getattr(getattr(model.forward, "__func__", model.forward), "__code__", None)
         _COMPILES_OF_CODE[self._code] += 1
@@ -128,10 +134,11 @@ class SequenceParallelModule(CompileRecords, nn.Module):
             sp_backend.layers_apart = functools.partial(dynamo_regions.marked_apart, model)
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
         self.remat_choice: Any = None  # what remat="auto" chose (autosp.remat_auto.AutoChoice)
-        # Which parameters require gradients and their dtypes, compared across the SP group
-        # with the inputs; with data parallelism across SP groups, each trainable parameter's
-        # gradient is averaged over "dp" (the SP reduction happens inside the compiled graph).
-        self.param_state = ParamState(model, dp_group)
+        # The parameters (which require gradients, their dtypes) and hooks, compared across the
+        # mesh with the inputs; with data parallelism across SP groups, each trainable
+        # parameter's gradient is averaged over "dp" (the SP reduction happens inside the
+        # compiled graph).
+        self.model_state = ModelState(model, dp_group)
 
     def _arg_name(self, key: int | str) -> str:
         if isinstance(key, str):
@@ -229,14 +236,21 @@ class SequenceParallelModule(CompileRecords, nn.Module):
 
     # Called inside the user's own torch.compile (a compiled training step), the call is a graph
     # break: this module runs its own compiled graph, as an island in theirs.
-    @torch.compiler.disable
+    @torch.compiler.disable(**_DISABLE_REASON)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.sp_group is not None and not _group_alive(self.sp_backend.ctx.group):
             raise _dead_group_error("forward", self.sp_backend.ctx.group)
         leaves = guard.flatten_inputs(args, kwargs, self.names)
         sig = guard.signature(leaves)
+        state, changed = self.model_state.state()
         # Before any local check: ranks decide alike.
-        self.input_guard.check_call(leaves, sig, self.param_state.state())
+        self.input_guard.check_call(leaves, sig, state)
+        if changed:
+            self.model_state.warn_new_global_hooks()
+            if self.traced_once and (why := dynamo_regions.marked_apart(self.module)):
+                # A layer traced once no longer alike the first (a hook registered on one of its
+                # submodules since the last call): Dynamo's reuse guards do not check it.
+                return self._trace_every_layer(why, args, kwargs)
         seq, prepared = self._prepare(args, kwargs)
         self._at_length(seq)
         self._signatures.setdefault(prepared, None)
@@ -281,6 +295,15 @@ class SequenceParallelModule(CompileRecords, nn.Module):
             if isinstance(inner, dynamo_regions.RegionReuseError) and self.traced_once:
                 return self._trace_every_layer(str(inner), args, kwargs)
             if isinstance(inner, AutospError):
+                if (hooks := top_level_hooks(self.module)) and "symbolic sequence length" in str(inner):
+                    raise AutospError(
+                        "[autosp:capture] found a hook on the compiled model itself "
+                        f"({hooks}): torch.compile runs the hooks of the module it compiles as "
+                        "frames of their own, outside the model's graph, and autosp found no "
+                        "sequence to split in one of them (" + str(inner).split(";")[0] + "); "
+                        "expected hooks on the model's submodules: register it on a submodule "
+                        "(the final norm, the head), or apply it to the output after the call."
+                    ) from inner
                 raise inner.with_traceback(None) from inner.__cause__
             raise internal_error("compile", inner) from inner
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
@@ -357,7 +380,8 @@ class SequenceParallelModule(CompileRecords, nn.Module):
             "one graph per batch size, dtype, non-tensor argument value and train/eval mode (for a "
             "model that reads self.training; a new sequence length does not recompile), and per change "
             "of anything else its guards hold, such as which parameters require gradients, "
-            "autocast or the inputs' strides, and stops at "
+            "autocast, the inputs' strides or the module hooks (a hook replaced, or one whose "
+            "captured values change, at every step compiles at every step), and stops at "
             f"torch._dynamo.config.recompile_limit = {limit} per function. Expected at most {limit}: "
             "pad the batch to a few fixed sizes (padding rows whose labels are all -100 add nothing "
             "to a cross-entropy with ignore_index=-100), or raise torch._dynamo.config.recompile_limit "

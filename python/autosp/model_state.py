@@ -1,0 +1,182 @@
+"""The model's state a compiled call depends on beyond its inputs: its parameters (which require
+gradients, their dtypes) and its module hooks.
+
+Ranks of an SP group run one plan whose collectives follow the parameters (a frozen parameter
+has no gradient to all-reduce), and each rank computes its part of every layer, so a hook must
+run on every rank alike. A rank that froze, converted or added parameters, or registered a hook,
+the others did not would wait in a different collective (a hang, or Gloo aborting every rank) or
+mix its result with theirs. :class:`ModelState` walks the model at each call (parameters and
+modules replaced or added after the compile included: a checkpoint loaded with ``assign=True``,
+LoRA adapters) and gives
+
+- a fingerprint that is equal across ranks holding the same model, which autosp.guard
+  compares across the SP and data-parallel groups with the inputs;
+- whether anything changed on this rank since the last call (hooks by identity, modules and
+  parameters by identity), for the checks that Dynamo's guards do not make (autosp.sp_module);
+- with data parallelism, the hooks that average each trainable parameter's gradient over "dp",
+  for parameters that require gradients now (a parameter frozen at the compile, or added after
+  it, had none and kept its own group's gradient, silently).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+import zlib
+from array import array
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.modules.module as module_globals
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from autosp.errors import AutospHookWarning
+from autosp.layer_alike import _HOOKS
+
+# Parameters' dtypes, coded in one byte each for the fingerprint.
+_DTYPE_CODE = {d: i for i, d in enumerate(sorted(
+    {d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))}
+# Hooks on every module (torch.nn.modules.module.register_module_forward_hook and the like).
+_GLOBAL_HOOKS = tuple(name for name in vars(module_globals)
+                      if name.startswith("_global_") and "hook" in name and "registration" not in name
+                      and isinstance(vars(module_globals)[name], dict))
+# Parameters and modules registered anywhere (nn.Module.__setattr__, register_parameter,
+# load_state_dict(assign=True)), counted: the model is walked again only after one.
+_REGISTERED = [0]
+
+
+def _count_registration(*args: Any) -> None:
+    _REGISTERED[0] += 1
+
+
+module_globals.register_module_parameter_registration_hook(_count_registration)
+module_globals.register_module_module_registration_hook(_count_registration)
+
+
+def _walk(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """The modules and parameters of ``model``, each once, in ``named_modules`` order (as
+    ``modules()`` and ``parameters()`` give them)."""
+    modules: list[nn.Module] = []
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
+        d = vars(m)
+        for p in d.get("_parameters", {}).values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        stack.extend(c for c in reversed(d.get("_modules", {}).values()) if c is not None)
+    return modules, params
+
+
+class ModelState:
+    """``model``'s parameters and hooks, per call; the gradients' averaging over ``dp_group``
+    (None or one rank: no averaging)."""
+
+    def __init__(self, model: nn.Module, dp_group: Any = None) -> None:
+        self.model = model
+        self.dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 \
+            else None
+        self._hooked: dict[int, weakref.ref] = {}  # id -> the parameter its averaging hook is on
+        self._local: tuple[int, int] | None = None
+        self._trainable: bytes | None = None
+        self._epoch: tuple[int, int] | None = None
+        self._params: list[nn.Parameter] = []
+        self._dicts: list[dict] = []  # every module's hook dicts, then the global ones
+        self._ids = 0
+        self.global_hooks: frozenset[tuple[str, Any]] = frozenset()  # as at the first call
+
+    @staticmethod
+    def global_hook_keys() -> frozenset[tuple[str, Any]]:
+        """The hooks registered on every module, by name of their dict and handle id."""
+        return frozenset((name, k) for name in _GLOBAL_HOOKS
+                         for k in vars(module_globals)[name])
+
+    def state(self) -> tuple[tuple[int, int, int], bool]:
+        """``((parameters requiring gradients, parameters, a crc32 of the parameters and hooks),
+        changed)``: the first is equal across ranks holding the same model (the crc covers
+        which parameters require gradients, their dtypes, and how many hooks of each kind every
+        module and the global registry hold); ``changed`` is whether this rank's modules,
+        parameters or hooks are other objects than at the last call. With data parallelism, a
+        parameter that requires gradients gets its averaging hook here, before the call's
+        backward.
+
+        The model is walked again only after a parameter or module was registered or a hook
+        created anywhere in the process (two counters); otherwise a call reads the
+        parameters' flags and dtypes and the hook dicts' sizes (a hook removed shrinks one)."""
+        epoch = (_REGISTERED[0], RemovableHandle.next_id)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            modules, self._params = _walk(self.model)
+            self._dicts = [vars(m).get(h, {}) for m in modules for h in _HOOKS]
+            self._dicts += [vars(module_globals)[name] for name in _GLOBAL_HOOKS]
+            ids = array("q", (id(m) for m in modules))
+            ids.extend(id(p) for p in self._params)
+            ids.extend(max(d) if d else 0 for d in self._dicts)  # the newest hook of each
+            self._ids = zlib.crc32(ids.tobytes())
+        params = self._params
+        rg = bytes(p.requires_grad for p in params)
+        counts = array("q", map(len, self._dicts)).tobytes()
+        shared = zlib.crc32(rg + bytes(_DTYPE_CODE.get(p.dtype, 255) for p in params) + counts)
+        local = (self._ids, zlib.crc32(counts))
+        if self._local is None:  # the first call, which Dynamo traces with them
+            self.global_hooks = self.global_hook_keys()
+        changed = self._local is not None and local != self._local
+        if local != self._local or rg != self._trainable:
+            self._local, self._trainable = local, rg
+            self._hook_trainable(params)
+        return (sum(rg), len(params), shared), changed
+
+    def warn_new_global_hooks(self) -> None:
+        """Hooks on every module (``register_module_forward_hook``) registered after the first
+        call do not run in the graph compiled before them: Dynamo does not guard on them."""
+        new = self.global_hook_keys() - self.global_hooks
+        if new:
+            self.global_hooks |= new
+            warnings.warn(
+                "[autosp:compile] found a global module hook (torch.nn.modules.module."
+                f"register_module_*_hook: {', '.join(sorted({n for n, _ in new}))}) registered after "
+                "the model was compiled; the compiled graph runs without it (Dynamo does not guard "
+                "on global hooks), so a hook that changes a module's output has no effect on the loss "
+                "and gradients. Expected global hooks registered before the first call, which are "
+                "traced into the graph, or a per-module hook (module.register_forward_hook), which "
+                "compiles again.", AutospHookWarning, stacklevel=4)
+
+    def _hook_trainable(self, params: list[nn.Parameter]) -> None:
+        if self.dp_group is None:
+            return
+        group = self.dp_group
+        size = dist.get_world_size(group)
+
+        def average(p: torch.Tensor) -> None:
+            # Data parallelism across SP groups: average each gradient over "dp" once it is
+            # complete (the SP reduction already happened inside the compiled graph).
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
+
+        for p in params:
+            known = self._hooked.get(id(p))
+            if p.requires_grad and (known is None or known() is not p):
+                self._hooked[id(p)] = weakref.ref(p)
+                p.register_post_accumulate_grad_hook(average)
+
+
+def top_level_hooks(model: nn.Module) -> str:
+    """The forward hooks and pre-hooks registered on ``model`` itself, by name."""
+    hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
+    return ", ".join(getattr(h, "__qualname__", type(h).__qualname__) for h in hooks)
+
+
+def state_text(trainable: int, total: int, code: int) -> str:
+    """One rank's state, for messages."""
+    return (f"{trainable} of {total} parameters require gradients (parameters and hooks: "
+            f"{code & 0xFFFFFFFF:08x})")
