@@ -4,7 +4,8 @@
   the same AutospError on every rank, where the ranks used to wait in different collectives
   until Gloo's timeout (found by breaker helper-66, 2026-12-06);
 - with data parallelism across SP groups, a parameter frozen at the compile and unfrozen later,
-  or replaced after it (``load_state_dict(assign=True)``, a new module), gets its gradient
+  or replaced after it (``load_state_dict(assign=True)``, a new module, a parameter written
+  straight into ``_parameters``: breakers helper-68 and helper-69), gets its gradient
   averaged over "dp" (it kept its own group's gradient, silently: relative error 1.03 against
   the data-parallel mean), and a parameter frozen on one rank is named alike on every rank of
   the mesh;
@@ -117,6 +118,11 @@ def _dp_worker(rank: int, world: int) -> dict[str, Any]:
     head.weight.data.copy_(model.lm_head.weight.data)
     model.lm_head = head
     step("new module")
+    # Written into the module's dict, past nn.Module.__setattr__ (as nn.Module._apply does with
+    # torch.__future__.set_overwrite_module_params_on_conversion(True); found by helper-69).
+    down = model.layers[0].mlp.down_proj
+    down._parameters["weight"] = torch.nn.Parameter(down.weight.detach().clone())
+    step("written into _parameters")
     # Then frozen on the second SP group's rank 3 only: every rank of the mesh raises, alike.
     if rank == 3:
         model.lm_head.weight.requires_grad_(False)
@@ -131,7 +137,7 @@ def test_parameters_unfrozen_or_replaced_after_the_compile_are_averaged_over_dp(
         assert "embed_tokens.weight" not in r["frozen"]
         assert_grads_close(r["frozen"], {k: ref[k] for k in r["frozen"]}, rtol=1e-4,
                            context=f"rank {rank}, frozen")
-        for name in ("unfrozen", "assigned", "new module"):
+        for name in ("unfrozen", "assigned", "new module", "written into _parameters"):
             assert set(r[name]) == set(ref), name
             assert_grads_close(r[name], ref, rtol=1e-4, context=f"rank {rank}, {name}")
         kind, msg = r["one_rank"]
@@ -241,3 +247,19 @@ def test_a_deep_copy_compiles_again_and_pickling_is_refused() -> None:
         kind, msg = r["pickle"]
         assert kind == "AutospError" and msg.startswith(
             "[autosp:compile] found the compiled module pickled (pickle, torch.save)"), r["pickle"]
+
+
+def test_the_model_state_reads_any_hook_dict() -> None:
+    """A hook dict keyed by a string (written directly, as some libraries do) is read like
+    any other (helper-69: a raw TypeError from every call)."""
+    from autosp.model_state import ModelState
+
+    model = build_model(_cfg())
+    state = ModelState(model)
+    before, _ = state.state()
+    model.norm._forward_hooks["log"] = lambda m, i, o: None
+    after, changed = state.state()
+    assert changed and after != before
+    del model.norm._forward_hooks["log"]
+    again, changed = state.state()
+    assert changed and again == before

@@ -21,9 +21,10 @@ LoRA adapters) and gives
 from __future__ import annotations
 
 import warnings
-import weakref
 import zlib
 from array import array
+from itertools import chain, count
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ from torch.utils.hooks import RemovableHandle
 from autosp.errors import AutospHookWarning
 from autosp.layer_alike import _HOOKS
 
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_AVERAGED = "_autosp_averaged_by"  # on a parameter: the token of the ModelState averaging it
+_TOKENS = count()
+_DTYPE = attrgetter("dtype")
 # Parameters' dtypes, coded in one byte each for the fingerprint.
 _DTYPE_CODE = {d: i for i, d in enumerate(sorted(
     {d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))}
@@ -42,19 +47,6 @@ _DTYPE_CODE = {d: i for i, d in enumerate(sorted(
 _GLOBAL_HOOKS = tuple(name for name in vars(module_globals)
                       if name.startswith("_global_") and "hook" in name and "registration" not in name
                       and isinstance(vars(module_globals)[name], dict))
-# Parameters and modules registered anywhere (nn.Module.__setattr__, register_parameter,
-# load_state_dict(assign=True)), counted: the model is walked again only after one.
-_REGISTERED = [0]
-
-
-def _count_registration(*args: Any) -> None:
-    _REGISTERED[0] += 1
-
-
-module_globals.register_module_parameter_registration_hook(_count_registration)
-module_globals.register_module_module_registration_hook(_count_registration)
-
-
 def _walk(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
     """The modules and parameters of ``model``, each once, in ``named_modules`` order (as
     ``modules()`` and ``parameters()`` give them)."""
@@ -85,12 +77,15 @@ class ModelState:
         self.model = model
         self.dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 \
             else None
-        self._hooked: dict[int, weakref.ref] = {}  # id -> the parameter its averaging hook is on
         self._local: tuple[int, int] | None = None
         self._trainable: bytes | None = None
-        self._epoch: tuple[int, int] | None = None
+        self._next_id = -1
+        self._token = next(_TOKENS)
         self._params: list[nn.Parameter] = []
+        self._param_dicts: list[dict] = []  # every module's _parameters, at the last walk
+        self._module_dicts: list[dict] = []  # and _modules
         self._dicts: list[dict] = []  # every module's hook dicts, then the global ones
+        self._seen = b""
         self._ids = 0
         self.global_hooks: frozenset[tuple[str, Any]] = frozenset()  # as at the first call
 
@@ -109,23 +104,29 @@ class ModelState:
         parameter that requires gradients gets its averaging hook here, before the call's
         backward.
 
-        The model is walked again only after a parameter or module was registered or a hook
-        created anywhere in the process (two counters); otherwise a call reads the
-        parameters' flags and dtypes and the hook dicts' sizes (a hook removed shrinks one)."""
-        epoch = (_REGISTERED[0], RemovableHandle.next_id)
-        if epoch != self._epoch:
-            self._epoch = epoch
+        The model is walked again only where one of its modules holds other parameters or
+        submodules than at the last walk (read from their dicts' values by identity, whichever
+        way they were written: setattr, ``load_state_dict(assign=True)``, ``_parameters[name] =``,
+        ``ModuleList.insert``), or after a hook was created anywhere in the process
+        (``RemovableHandle.next_id``); otherwise a call reads those identities, the parameters'
+        flags and dtypes and the hook dicts' sizes (a hook removed shrinks one), in C loops."""
+        members = self._members()
+        if members != self._seen or RemovableHandle.next_id != self._next_id:
+            self._next_id = RemovableHandle.next_id
             modules, self._params = _walk(self.model)
+            self._param_dicts = [vars(m).get("_parameters", {}) for m in modules]
+            self._module_dicts = [vars(m).get("_modules", {}) for m in modules]
             self._dicts = [vars(m).get(h, {}) for m in modules for h in _HOOKS]
             self._dicts += [vars(module_globals)[name] for name in _GLOBAL_HOOKS]
-            ids = array("q", (id(m) for m in modules))
-            ids.extend(id(p) for p in self._params)
-            ids.extend(max(d) if d else 0 for d in self._dicts)  # the newest hook of each
-            self._ids = zlib.crc32(ids.tobytes())
+            members = self._seen = self._members()
+            # The hooks by identity: a hook replaced by another keeps its dict's size.
+            keys = array("q", (hash(tuple(d)) if d else 0 for d in self._dicts))
+            self._ids = zlib.crc32(members + keys.tobytes())
         params = self._params
-        rg = bytes(p.requires_grad for p in params)
+        rg = bytes(map(_REQUIRES_GRAD, params))
         counts = array("q", map(len, self._dicts)).tobytes()
-        shared = zlib.crc32(rg + bytes(_DTYPE_CODE.get(p.dtype, 255) for p in params) + counts)
+        shared = zlib.crc32(rg + bytes(map(_DTYPE_CODE.__getitem__, map(_DTYPE, params)))
+                            + counts)
         local = (self._ids, zlib.crc32(counts))
         if self._local is None:  # the first call, which Dynamo traces with them
             self.global_hooks = self.global_hook_keys()
@@ -134,6 +135,12 @@ class ModelState:
             self._local, self._trainable = local, rg
             self._hook_trainable(params)
         return (sum(rg), len(params), shared), changed
+
+    def _members(self) -> bytes:
+        """The identities of what the walked modules hold (parameters, submodules)."""
+        values = chain(chain.from_iterable(map(dict.values, self._param_dicts)),
+                       chain.from_iterable(map(dict.values, self._module_dicts)))
+        return array("q", map(id, values)).tobytes()
 
     def warn_new_global_hooks(self) -> None:
         """Hooks on every module (``register_module_forward_hook``) registered after the first
@@ -163,10 +170,9 @@ class ModelState:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(size)
 
-        for p in params:
-            known = self._hooked.get(id(p))
-            if p.requires_grad and (known is None or known() is not p):
-                self._hooked[id(p)] = weakref.ref(p)
+        for p in params:  # marked on the parameter: no reference to it is kept here
+            if p.requires_grad and vars(p).get(_AVERAGED) != self._token:
+                vars(p)[_AVERAGED] = self._token
                 p.register_post_accumulate_grad_hook(average)
 
 
