@@ -236,7 +236,8 @@ def _copy_worker(rank: int, world: int) -> dict[str, Any]:
            "same_weights": all(torch.equal(a, b) for a, b in zip(model.parameters(),
                                                                 twin.module.parameters())),
            "twin_step": step_against_reference(twin.module, twin, ids, labels),
-           "pickle": _outcome(lambda: torch.save(compiled, io.BytesIO()))}
+           "pickle": _outcome(lambda: torch.save(compiled, io.BytesIO())),
+           "shallow": _outcome(lambda: copy.copy(compiled))}
     return out
 
 
@@ -247,6 +248,7 @@ def test_a_deep_copy_compiles_again_and_pickling_is_refused() -> None:
         kind, msg = r["pickle"]
         assert kind == "AutospError" and msg.startswith(
             "[autosp:compile] found the compiled module pickled (pickle, torch.save)"), r["pickle"]
+        assert r["shallow"][0] == "AutospError" and "found copy.copy" in r["shallow"][1]
 
 
 def test_the_model_state_reads_any_hook_dict() -> None:

@@ -400,6 +400,11 @@ class SequenceParallelModule(CompileRecords, nn.Module):
 
         return compile_model(copy.deepcopy(self.module, memo), **self.compile_kwargs)
 
+    def __copy__(self) -> "SequenceParallelModule":
+        raise AutospError("[autosp:compile] found copy.copy of the compiled module; expected "
+                          "copy.deepcopy, which copies the model and compiles the copy (a shallow "
+                          "copy would share the compiled graphs and their state).")
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise AutospError(
             "[autosp:compile] found the compiled module pickled (pickle, torch.save); expected the "
