@@ -51,7 +51,8 @@ def _outcome(fn: Any) -> tuple[str, str]:
 def _one_rank_differs_worker(rank: int, world: int) -> list[tuple[str, str]]:
     cfg = _cfg()
     out = []
-    for change in ("freeze", "dtype", "freeze-before-compile", "replaced-then-frozen", "hook"):
+    for change in ("freeze", "dtype", "freeze-before-compile", "replaced-then-frozen", "hook",
+                   "shape"):
         torch._dynamo.reset()
         model = build_model(cfg)
         if change == "freeze-before-compile" and rank == 1:
@@ -72,6 +73,9 @@ def _one_rank_differs_worker(rank: int, world: int) -> list[tuple[str, str]]:
                     model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
             if rank == 0 and change == "hook":  # F6: the ranks' losses were mixed, silently
                 model.norm.register_forward_hook(lambda m, i, o: o * 2.0)
+            if rank == 0 and change == "shape":  # another vocabulary: Gloo aborted (helper-70)
+                model.lm_head.weight = torch.nn.Parameter(torch.randn(cfg.vocab_size + 8,
+                                                                      cfg.hidden_size))
             compiled(ids, labels).backward()
 
         out.append(_outcome(steps))
@@ -82,7 +86,7 @@ def test_parameters_that_differ_across_ranks_are_named() -> None:
     outs = run_ranks(2, _one_rank_differs_worker, timeout=TIMEOUT_S)
     assert outs[0] == outs[1]  # every rank raises the same text
     for (kind, msg), what in zip(outs[0], ("11 of 12", "12 of 12", "11 of 12", "11 of 12",
-                                           "12 of 12")):
+                                           "12 of 12", "12 of 12"), strict=True):
         assert kind == "AutospError", (kind, msg)
         assert msg.startswith("[autosp:inputs] found the model's parameters or hooks set up "
                               "differently across the SP group (global ranks 0, 1): rank"), msg
@@ -91,6 +95,8 @@ def test_parameters_that_differ_across_ranks_are_named() -> None:
 
 
 def _dp_worker(rank: int, world: int) -> dict[str, Any]:
+    import io
+
     cfg = tiny_config(num_heads=4, num_kv_heads=2)
     model = build_model(cfg)
     model.embed_tokens.weight.requires_grad_(False)  # frozen at the compile
@@ -123,6 +129,13 @@ def _dp_worker(rank: int, world: int) -> dict[str, Any]:
     down = model.layers[0].mlp.down_proj
     down._parameters["weight"] = torch.nn.Parameter(down.weight.detach().clone())
     step("written into _parameters")
+    # A layer loaded from a pickle: its parameters carry no hook (helper-70: a token carried in
+    # their __dict__ made autosp skip them, silently).
+    buf = io.BytesIO()
+    torch.save(model.layers[0], buf)
+    buf.seek(0)
+    model.layers[0] = torch.load(buf, weights_only=False)
+    step("loaded from a pickle")
     # Then frozen on the second SP group's rank 3 only: every rank of the mesh raises, alike.
     if rank == 3:
         model.lm_head.weight.requires_grad_(False)
@@ -137,7 +150,8 @@ def test_parameters_unfrozen_or_replaced_after_the_compile_are_averaged_over_dp(
         assert "embed_tokens.weight" not in r["frozen"]
         assert_grads_close(r["frozen"], {k: ref[k] for k in r["frozen"]}, rtol=1e-4,
                            context=f"rank {rank}, frozen")
-        for name in ("unfrozen", "assigned", "new module", "written into _parameters"):
+        for name in ("unfrozen", "assigned", "new module", "written into _parameters",
+                     "loaded from a pickle"):
             assert set(r[name]) == set(ref), name
             assert_grads_close(r[name], ref, rtol=1e-4, context=f"rank {rank}, {name}")
         kind, msg = r["one_rank"]
@@ -204,6 +218,13 @@ def _inside_user_compile_worker(rank: int, world: int) -> list[dict[str, Any]]:
     out.append(_outcome(lambda: whole(ids, labels)))
     # A hook on the compiled model itself runs as a frame of its own (found by helper-68: the
     # error said to call mark_dynamic).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def counted() -> None:  # a raw RuntimeError from Dynamo before (helper-70)
+        with FlopCounterMode(display=False):
+            compiled(ids, labels)
+
+    out.append(_outcome(counted))
     model.register_forward_hook(lambda m, i, o: o * 2.0)
     out.append(_outcome(lambda: compiled(ids, labels)))
     return out
@@ -219,7 +240,11 @@ def test_called_inside_the_users_torch_compile() -> None:
             assert "autosp.compile's module runs its own compiled graph" in msg, msg
         kind, msg = out[3]
         assert kind == "AutospError" and msg.startswith(
-            "[autosp:capture] found a hook on the compiled model itself"), out[3]
+            "[autosp:compile] found a torch dispatch mode active around the call ("), out[3]
+        assert "FlopCounterMode" in msg, msg
+        kind, msg = out[4]
+        assert kind == "AutospError" and msg.startswith(
+            "[autosp:capture] found a hook on the compiled model itself"), out[4]
 
 
 def _copy_worker(rank: int, world: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from array import array
-from itertools import chain, count
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -31,14 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.modules.module as module_globals
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
-from autosp.errors import AutospHookWarning
+from autosp.errors import AutospError, AutospHookWarning
 from autosp.layer_alike import _HOOKS
 
 _REQUIRES_GRAD = attrgetter("requires_grad")
-_AVERAGED = "_autosp_averaged_by"  # on a parameter: the token of the ModelState averaging it
-_TOKENS = count()
 _DTYPE = attrgetter("dtype")
 # Parameters' dtypes, coded in one byte each for the fingerprint.
 _DTYPE_CODE = {d: i for i, d in enumerate(sorted(
@@ -69,6 +68,15 @@ def _walk(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
     return modules, params
 
 
+def _sizes(params: list[nn.Parameter]) -> bytes:
+    """The parameters' element counts (a parameter of another shape on one rank), 0 for one not
+    yet materialised."""
+    try:
+        return array("q", map(torch.Tensor.numel, params)).tobytes()
+    except (ValueError, RuntimeError):  # an nn.LazyLinear's UninitializedParameter
+        return array("q", (0 if is_lazy(p) else p.numel() for p in params)).tobytes()
+
+
 class ModelState:
     """``model``'s parameters and hooks, per call; the gradients' averaging over ``dp_group``
     (None or one rank: no averaging)."""
@@ -80,7 +88,8 @@ class ModelState:
         self._local: tuple[int, int] | None = None
         self._trainable: bytes | None = None
         self._next_id = -1
-        self._token = next(_TOKENS)
+        self._average = self._averaging()  # the hook on every trainable parameter, with dp
+        self._lazy = False  # a parameter not yet materialised (nn.LazyLinear): hooked later
         self._params: list[nn.Parameter] = []
         self._param_dicts: list[dict] = []  # every module's _parameters, at the last walk
         self._module_dicts: list[dict] = []  # and _modules
@@ -126,12 +135,12 @@ class ModelState:
         rg = bytes(map(_REQUIRES_GRAD, params))
         counts = array("q", map(len, self._dicts)).tobytes()
         shared = zlib.crc32(rg + bytes(map(_DTYPE_CODE.__getitem__, map(_DTYPE, params)))
-                            + counts)
+                            + counts + _sizes(params))
         local = (self._ids, zlib.crc32(counts))
         if self._local is None:  # the first call, which Dynamo traces with them
             self.global_hooks = self.global_hook_keys()
         changed = self._local is not None and local != self._local
-        if local != self._local or rg != self._trainable:
+        if local != self._local or rg != self._trainable or self._lazy:
             self._local, self._trainable = local, rg
             self._hook_trainable(params)
         return (sum(rg), len(params), shared), changed
@@ -157,10 +166,10 @@ class ModelState:
                 "traced into the graph, or a per-module hook (module.register_forward_hook), which "
                 "compiles again.", AutospHookWarning, stacklevel=4)
 
-    def _hook_trainable(self, params: list[nn.Parameter]) -> None:
-        if self.dp_group is None:
-            return
+    def _averaging(self) -> Any:
         group = self.dp_group
+        if group is None:
+            return None
         size = dist.get_world_size(group)
 
         def average(p: torch.Tensor) -> None:
@@ -170,10 +179,43 @@ class ModelState:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(size)
 
-        for p in params:  # marked on the parameter: no reference to it is kept here
-            if p.requires_grad and vars(p).get(_AVERAGED) != self._token:
-                vars(p)[_AVERAGED] = self._token
-                p.register_post_accumulate_grad_hook(average)
+        return average
+
+    def _hook_trainable(self, params: list[nn.Parameter]) -> None:
+        """Hook every parameter that requires gradients and does not hold this state's hook
+        (read on the parameter itself, so a parameter copied or loaded from a pickle, which
+        carries no hook, gets one)."""
+        if self._average is None:
+            return
+        self._lazy = False
+        for p in params:
+            if not p.requires_grad:
+                continue
+            if is_lazy(p):  # hooked once materialised, at a later call
+                self._lazy = True
+                continue
+            held = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+            if not any(h is self._average for h in held.values()):
+                p.register_post_accumulate_grad_hook(self._average)
+
+
+def dispatch_mode_error() -> AutospError | None:
+    """The error for a torch dispatch mode active now that torch.compile does not run under
+    (``FlopCounterMode``, a user's ``TorchDispatchMode``; Dynamo's own error was a raw
+    RuntimeError), or None."""
+    from torch.utils import _python_dispatch as dispatch
+
+    stack = getattr(dispatch, "_get_current_dispatch_mode_stack", lambda: [])()
+    modes = [type(m).__name__ for m in stack
+             if not getattr(m, "is_infra_mode", lambda: False)()
+             and not getattr(m, "ignore_compile_internals", lambda: False)()]
+    if not modes:
+        return None
+    return AutospError(
+        f"[autosp:compile] found a torch dispatch mode active around the call ({', '.join(modes)}); "
+        "expected none: torch.compile does not run a compiled graph under one. Count FLOPs or "
+        "trace ops on the model outside autosp (on one device), or leave the mode before calling "
+        "the compiled module.")
 
 
 def top_level_hooks(model: nn.Module) -> str:

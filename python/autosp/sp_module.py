@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autosp import dynamo_regions, dynamo_reuse, guard, shard
 from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
-from autosp.model_state import ModelState, top_level_hooks
+from autosp.model_state import ModelState, dispatch_mode_error, top_level_hooks
 from autosp.sp_records import CompileRecords
 
 
@@ -245,6 +245,8 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         state, changed = self.model_state.state()
         # Before any local check: ranks decide alike.
         self.input_guard.check_call(leaves, sig, state)
+        if (refused := dispatch_mode_error()) is not None:
+            raise refused
         if changed:
             self.model_state.warn_new_global_hooks()
             if self.traced_once and (why := dynamo_regions.marked_apart(self.module)):
