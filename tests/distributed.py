@@ -527,6 +527,16 @@ def assert_errors_within(step: Mapping[str, Any], where: str, *, loss_atol: floa
     assert not bad, f"{where}: {bad}"
 
 
+def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
+    """("ok", "") or (exception type name, message) of calling ``fn``: ranks report what they
+    raised instead of raising, so that a test compares every rank's error."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
 def exact_or_autosp_error(check: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """``check(*args, **kwargs)`` passes, or a rank raised an AutospError. torch's internal
     "Freevar has no source" (Dynamo's region reuse with a free variable) fails the test."""

@@ -29,6 +29,7 @@ import autosp
 from autosp.api import SequenceParallelModule
 from autosp.backend import SequenceParallelBackend
 from autosp.errors import at_node
+from distributed import outcome as _outcome
 from distributed import (
     assert_grads_close,
     assert_step_exact,
@@ -47,15 +48,6 @@ SEQ = 16
 
 def _cfg() -> Any:
     return tiny_config(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=64)
-
-
-def _outcome(fn: Any) -> tuple[str, str]:
-    """("ok", "") or (exception type name, message): ranks report instead of raising."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        return type(e).__name__, str(e)
-    return "ok", ""
 
 
 class MaskLM(nn.Module):

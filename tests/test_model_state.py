@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import autosp
+from distributed import outcome as _outcome
 from distributed import (assert_grads_close, assert_step_exact, build_model, dp_mean_reference,
                          grads_of, make_batch, run_ranks, step_against_reference, tiny_config)
 
@@ -38,14 +39,6 @@ TIMEOUT_S = 150.0  # a hang fails the test instead of blocking the suite
 
 def _cfg() -> Any:
     return tiny_config(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=64)
-
-
-def _outcome(fn: Any) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        return type(e).__name__, str(e)
-    return "ok", ""
 
 
 def _one_rank_differs_worker(rank: int, world: int) -> list[tuple[str, str]]:
