@@ -45,7 +45,7 @@ def _one_rank_differs_worker(rank: int, world: int) -> list[tuple[str, str]]:
     cfg = _cfg()
     out = []
     for change in ("freeze", "dtype", "freeze-before-compile", "replaced-then-frozen", "hook",
-                   "shape"):
+                   "shape", "mode"):
         torch._dynamo.reset()
         model = build_model(cfg)
         if change == "freeze-before-compile" and rank == 1:
@@ -66,6 +66,15 @@ def _one_rank_differs_worker(rank: int, world: int) -> list[tuple[str, str]]:
                     model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
             if rank == 0 and change == "hook":  # F6: the ranks' losses were mixed, silently
                 model.norm.register_forward_hook(lambda m, i, o: o * 2.0)
+            if rank == 1 and change == "mode":  # rank 0 waited in the graph (helper-71)
+                from torch.utils._python_dispatch import TorchDispatchMode
+
+                class Passing(TorchDispatchMode):
+                    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                        return func(*args, **(kwargs or {}))
+
+                with Passing():
+                    compiled(ids, labels)
             if rank == 0 and change == "shape":  # another vocabulary: Gloo aborted (helper-70)
                 model.lm_head.weight = torch.nn.Parameter(torch.randn(cfg.vocab_size + 8,
                                                                       cfg.hidden_size))
@@ -78,8 +87,12 @@ def _one_rank_differs_worker(rank: int, world: int) -> list[tuple[str, str]]:
 def test_parameters_that_differ_across_ranks_are_named() -> None:
     outs = run_ranks(2, _one_rank_differs_worker, timeout=TIMEOUT_S)
     assert outs[0] == outs[1]  # every rank raises the same text
-    for (kind, msg), what in zip(outs[0], ("11 of 12", "12 of 12", "11 of 12", "11 of 12",
-                                           "12 of 12", "12 of 12"), strict=True):
+    *models, mode = outs[0]
+    assert mode[0] == "AutospError" and mode[1].startswith(
+        "[autosp:inputs] found a torch dispatch mode (FlopCounterMode, a TorchDispatchMode) "
+        "active around the call on rank 1 only"), mode
+    for (kind, msg), what in zip(models, ("11 of 12", "12 of 12", "11 of 12", "11 of 12",
+                                          "12 of 12", "12 of 12"), strict=True):
         assert kind == "AutospError", (kind, msg)
         assert msg.startswith("[autosp:inputs] found the model's parameters or hooks set up "
                               "differently across the SP group (global ranks 0, 1): rank"), msg
@@ -283,3 +296,60 @@ def test_the_model_state_reads_any_hook_dict() -> None:
     del model.norm._forward_hooks["log"]
     again, changed = state.state()
     assert changed and again == before
+
+
+class _LazyLM(torch.nn.Module):
+    """A model with an nn.LazyLinear, materialised by its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.lazy = torch.nn.LazyLinear(32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        logits = self.head(x + torch.tanh(self.lazy(x)))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64),
+                                                 labels[:, 1:].reshape(-1))
+
+
+def _lazy_and_user_hook_worker(rank: int, world: int) -> dict[str, Any]:
+    import copy
+
+    torch.manual_seed(0)
+    model = _LazyLM()
+    # A hook of the user's registered before the first call (as an optimizer step in backward
+    # would be) reads the gradient averaged over dp (helper-71: it read the local one).
+    seen: dict[str, torch.Tensor] = {}
+    model.head.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.__setitem__("head.weight", p.grad.clone()))
+    mesh = autosp.init_mesh(2, dp_size=2)
+    batches = [make_batch(64, 2, 16, seed=s) for s in (0, 1)]
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+    compiled(*batches[mesh.get_local_rank("dp")]).backward()  # materialises the lazy layer
+    ref: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        twin = copy.deepcopy(model)
+        twin.zero_grad(set_to_none=True)
+        twin(*batch).backward()
+        for name, g in grads_of(twin).items():
+            ref[name] = ref.get(name, 0) + g / 2
+    # autosp.fully_shard of a model not yet materialised: refused before anything is sharded
+    # (helper-71: torch's ValueError halfway, the model left part sharded).
+    fresh = _LazyLM()
+    refused = _outcome(lambda: autosp.fully_shard(fresh, mesh))
+    return {"grads": grads_of(model), "ref": ref, "seen": seen, "shard": refused,
+            "untouched": all(type(p) in (torch.nn.Parameter, torch.nn.UninitializedParameter)
+                             for p in fresh.parameters())}
+
+
+def test_a_lazy_layer_and_a_users_hook_see_the_gradient_averaged_over_dp() -> None:
+    for rank, r in enumerate(run_ranks(4, _lazy_and_user_hook_worker, timeout=TIMEOUT_S)):
+        # The first step: the lazy layer was hooked only from the second before (helper-71).
+        assert_grads_close(r["grads"], r["ref"], rtol=1e-4, context=f"rank {rank}")
+        assert_grads_close(r["seen"], {"head.weight": r["ref"]["head.weight"]}, rtol=1e-4,
+                           context=f"rank {rank}, the user's hook")
+        assert r["shard"][0] == "AutospError" and "found parameters not yet materialised (lazy" \
+            in r["shard"][1], r["shard"]
+        assert r["untouched"]

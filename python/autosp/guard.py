@@ -45,7 +45,7 @@ CHECK_INPUTS = ("on_change", "always", "never")
 MAX_SLOTS = 32  # arguments described one by one; the rest are folded into one hash
 MAX_NDIM = 8  # dims described one by one; the rest are folded into one hash
 _ROW = 4 + MAX_NDIM + 1  # kind, key, ndim, dtype (or value hash), dims, overflow dims hash
-_HEADER = 6  # magic, number of arguments, overflow-arguments hash, model state (3)
+_HEADER = 7  # magic, number of arguments, overflow-arguments hash, model state (4)
 _MAGIC = 0x5A5A
 _EMPTY, _TENSOR, _SCALAR, _OTHER = 0, 1, 2, 3
 _CHUNK = 1 << 22  # elements checksummed at a time (bounds the int64 temporaries)
@@ -154,7 +154,7 @@ def _row(leaf: Leaf) -> list[int]:
     return row
 
 
-def descriptor(leaves: Sequence[Leaf], params: tuple[int, int, int] = (0, 0, 0)) -> list[int]:
+def descriptor(leaves: Sequence[Leaf], params: tuple[int, int, int, int] = (0, 0, 0, 0)) -> list[int]:
     """The fixed-size (``_HEADER + MAX_SLOTS * _ROW`` int64) description of a call, with the
     model state ``params`` (autosp.model_state.ModelState.state)."""
     rows = [_row(leaf) for leaf in leaves]
@@ -254,7 +254,7 @@ class InputGuard:
         self.checks = 0  # how many comparisons ran (for tests and benchmarks)
 
     def check_call(self, leaves: Sequence[Leaf], sig: tuple | None = None,
-                   params: tuple[int, int, int] = (0, 0, 0)) -> None:
+                   params: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
         """Check one call's ``leaves`` (from :func:`flatten_inputs`; ``sig`` their
         :func:`signature`) and the model's parameter state ``params`` as the mode says."""
         if self.mode == "never" or self.group is None or dist.get_world_size(self.group) < 2:
@@ -276,7 +276,7 @@ class InputGuard:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return bool(flag.item())
 
-    def check(self, leaves: Sequence[Leaf], params: tuple[int, int, int] = (0, 0, 0)) -> None:
+    def check(self, leaves: Sequence[Leaf], params: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
         """Compare ``leaves`` and ``params`` across the group; raise the same AutospError on
         every rank."""
         self.checks += 1
@@ -287,8 +287,10 @@ class InputGuard:
             sp_ranks = dist.get_process_group_ranks(self.group)
             rows = torch.tensor([[r, *st] for r, st in zip(sp_ranks, states)], dtype=torch.int64,
                                 device=_comm_device(self.dp_group))
-            mesh = sorted(tuple(flat[i:i + 4]) for flat in _all_gather(rows.flatten(), self.dp_group)
-                          for i in range(0, len(flat), 4))
+            width = 1 + len(params)
+            mesh = sorted(tuple(flat[i:i + width])
+                          for flat in _all_gather(rows.flatten(), self.dp_group)
+                          for i in range(0, len(flat), width))
             error = self._compare_params([m[1:] for m in mesh], [m[0] for m in mesh],
                                          "mesh (its SP and data-parallel groups)") or error
             # The smallest global rank of an SP group that failed, over the "dp" axis.
@@ -304,14 +306,14 @@ class InputGuard:
         if error is not None:
             raise error
 
-    def _compare(self, leaves: Sequence[Leaf], params: tuple[int, int, int]
+    def _compare(self, leaves: Sequence[Leaf], params: tuple[int, int, int, int]
                  ) -> tuple[AutospError | None, list[list[int]]]:
         """The error for this SP group, if any, and its ranks' model states."""
         device = _comm_device(self.group)
         ranks = dist.get_process_group_ranks(self.group)
         desc = _all_gather(torch.tensor(descriptor(leaves, params), dtype=torch.int64, device=device),
                            self.group)
-        states = [d[3:6] for d in desc]
+        states = [d[3:7] for d in desc]
         error = self._compare_params(states, ranks, "SP group") \
             or self._compare_descriptors(desc, ranks, leaves)
         tensors = [leaf for leaf in leaves if isinstance(leaf.value, torch.Tensor)]
@@ -339,6 +341,15 @@ class InputGuard:
         if len({tuple(s) for s in states}) == 1:
             return None
         held = "; ".join(f"{_ranks_text(rs)}: {state_text(*s)}" for s, rs in _groups(states, ranks))
+        if len({s[3] for s in states}) > 1:
+            under = [r for s, r in zip(states, ranks) if s[3]]
+            return AutospError(
+                f"[autosp:inputs] found a torch dispatch mode (FlopCounterMode, a "
+                f"TorchDispatchMode) active around the call on {_ranks_text(under)} only, across "
+                f"the {group} (global ranks {', '.join(map(str, ranks))}); expected none: "
+                "torch.compile does not run a compiled graph under one, and ranks that differ "
+                "would wait in different collectives. Leave the mode before calling the compiled "
+                "module (count FLOPs on the model outside autosp).")
         return AutospError(
             f"[autosp:inputs] found the model's parameters or hooks set up differently across the "
             f"{group} (global ranks {', '.join(map(str, ranks))}): {held}; expected every rank to "

@@ -104,9 +104,9 @@ class ModelState:
         return frozenset((name, k) for name in _GLOBAL_HOOKS
                          for k in vars(module_globals)[name])
 
-    def state(self) -> tuple[tuple[int, int, int], bool]:
-        """``((parameters requiring gradients, parameters, a crc32 of the parameters and hooks),
-        changed)``: the first is equal across ranks holding the same model (the crc covers
+    def state(self) -> tuple[tuple[int, int, int, int], bool]:
+        """``((parameters requiring gradients, parameters, a crc32 of the parameters and hooks,
+        whether a torch dispatch mode is active), changed)``: the first is equal across ranks holding the same model (the crc covers
         which parameters require gradients, their dtypes, and how many hooks of each kind every
         module and the global registry hold); ``changed`` is whether this rank's modules,
         parameters or hooks are other objects than at the last call. With data parallelism, a
@@ -143,7 +143,7 @@ class ModelState:
         if local != self._local or rg != self._trainable or self._lazy:
             self._local, self._trainable = local, rg
             self._hook_trainable(params)
-        return (sum(rg), len(params), shared), changed
+        return (sum(rg), len(params), shared, int(bool(_user_modes()))), changed
 
     def _members(self) -> bytes:
         """The identities of what the walked modules hold (parameters, submodules)."""
@@ -196,19 +196,40 @@ class ModelState:
                 continue
             held = getattr(p, "_post_accumulate_grad_hooks", None) or {}
             if not any(h is self._average for h in held.values()):
-                p.register_post_accumulate_grad_hook(self._average)
+                handle = p.register_post_accumulate_grad_hook(self._average)
+                # First: a hook of the user's registered before (an optimizer step in
+                # backward, clipping) reads the averaged gradient, as it would under DDP. The
+                # engine runs them in the dict's insertion order (OrderedDict.move_to_end does
+                # not change it): inserted again, in the same dict (handles remove by key).
+                hooks = p._post_accumulate_grad_hooks
+                others = [(k, h) for k, h in hooks.items() if k != handle.id]
+                hooks.clear()
+                hooks[handle.id] = self._average
+                hooks.update(others)
+
+    def after_call(self) -> None:
+        """A lazy parameter materialised by the call just made gets its averaging hook now,
+        before the call's backward."""
+        if self._lazy:
+            self._hook_trainable(self._params)
 
 
-def dispatch_mode_error() -> AutospError | None:
-    """The error for a torch dispatch mode active now that torch.compile does not run under
-    (``FlopCounterMode``, a user's ``TorchDispatchMode``; Dynamo's own error was a raw
-    RuntimeError), or None."""
+def _user_modes() -> list[str]:
+    """The torch dispatch modes active now that torch.compile does not run under
+    (``FlopCounterMode``, a user's ``TorchDispatchMode``), by class name."""
     from torch.utils import _python_dispatch as dispatch
 
     stack = getattr(dispatch, "_get_current_dispatch_mode_stack", lambda: [])()
-    modes = [type(m).__name__ for m in stack
-             if not getattr(m, "is_infra_mode", lambda: False)()
-             and not getattr(m, "ignore_compile_internals", lambda: False)()]
+    return [type(m).__name__ for m in stack
+            if not getattr(m, "is_infra_mode", lambda: False)()
+            and not getattr(m, "ignore_compile_internals", lambda: False)()]
+
+
+def dispatch_mode_error() -> AutospError | None:
+    """The error for a torch dispatch mode active around the call (Dynamo's own error was a
+    raw RuntimeError), or None. Raised after the input guard, which compared whether one is
+    active across the mesh (one rank alone under it would leave the others waiting)."""
+    modes = _user_modes()
     if not modes:
         return None
     return AutospError(
@@ -224,7 +245,7 @@ def top_level_hooks(model: nn.Module) -> str:
     return ", ".join(getattr(h, "__qualname__", type(h).__qualname__) for h in hooks)
 
 
-def state_text(trainable: int, total: int, code: int) -> str:
+def state_text(trainable: int, total: int, code: int, mode: int = 0) -> str:
     """One rank's state, for messages."""
     return (f"{trainable} of {total} parameters require gradients (parameters and hooks: "
-            f"{code & 0xFFFFFFFF:08x})")
+            f"{code & 0xFFFFFFFF:08x})" + (", under a torch dispatch mode" if mode else ""))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -126,6 +127,12 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh, *,
     if is_sharded(model):
         raise AutospError("[autosp:fully_shard] found a model already sharded; expected to be "
                           "called once per model.")
+    lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
+    if lazy:  # torch raised on them halfway, leaving the model part sharded (helper-71)
+        raise AutospError(f"[autosp:fully_shard] found parameters not yet materialised ({', '.join(lazy[:3])}"
+                          f"{', ...' if len(lazy) > 3 else ''}: lazy modules such as nn.LazyLinear); "
+                          "expected every parameter's shape known: run one forward of the model "
+                          "(on a dummy batch) before sharding it.")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if mp_policy.output_dtype is not None:
         raise AutospError(f"[autosp:fully_shard] found MixedPrecisionPolicy(output_dtype="

@@ -238,6 +238,11 @@ class SequenceParallelModule(CompileRecords, nn.Module):
     # break: this module runs its own compiled graph, as an island in theirs.
     @torch.compiler.disable(**_DISABLE_REASON)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._forward(*args, **kwargs)
+        self.model_state.after_call()
+        return result
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.sp_group is not None and not _group_alive(self.sp_backend.ctx.group):
             raise _dead_group_error("forward", self.sp_backend.ctx.group)
         leaves = guard.flatten_inputs(args, kwargs, self.names)
