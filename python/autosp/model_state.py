@@ -5,9 +5,9 @@ Ranks of an SP group run one plan whose collectives follow the parameters (a fro
 has no gradient to all-reduce), and each rank computes its part of every layer, so a hook must
 run on every rank alike. A rank that froze, converted or added parameters, or registered a hook,
 the others did not would wait in a different collective (a hang, or Gloo aborting every rank) or
-mix its result with theirs. :class:`ModelState` walks the model at each call (parameters and
+mix its result with theirs. :class:`ModelState` reads the model at each call (parameters and
 modules replaced or added after the compile included: a checkpoint loaded with ``assign=True``,
-LoRA adapters) and gives
+LoRA adapters), walking it again only after a change, and gives
 
 - a fingerprint that is equal across ranks holding the same model, which autosp.guard
   compares across the SP and data-parallel groups with the inputs;
@@ -46,26 +46,6 @@ _DTYPE_CODE = {d: i for i, d in enumerate(sorted(
 _GLOBAL_HOOKS = tuple(name for name in vars(module_globals)
                       if name.startswith("_global_") and "hook" in name and "registration" not in name
                       and isinstance(vars(module_globals)[name], dict))
-def _walk(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """The modules and parameters of ``model``, each once, in ``named_modules`` order (as
-    ``modules()`` and ``parameters()`` give them)."""
-    modules: list[nn.Module] = []
-    params: list[nn.Parameter] = []
-    seen: set[int] = set()
-    stack = [model]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        modules.append(m)
-        d = vars(m)
-        for p in d.get("_parameters", {}).values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        stack.extend(c for c in reversed(d.get("_modules", {}).values()) if c is not None)
-    return modules, params
 
 
 def _sizes(params: list[nn.Parameter]) -> bytes:
@@ -106,9 +86,10 @@ class ModelState:
 
     def state(self) -> tuple[tuple[int, int, int, int], bool]:
         """``((parameters requiring gradients, parameters, a crc32 of the parameters and hooks,
-        whether a torch dispatch mode is active), changed)``: the first is equal across ranks holding the same model (the crc covers
-        which parameters require gradients, their dtypes, and how many hooks of each kind every
-        module and the global registry hold); ``changed`` is whether this rank's modules,
+        whether a torch dispatch mode is active), changed)``: the first is equal across ranks
+        holding the same model (the crc covers which parameters require gradients, their dtypes
+        and sizes, and how many hooks of each kind every module and the global registry hold);
+        ``changed`` is whether this rank's modules,
         parameters or hooks are other objects than at the last call. With data parallelism, a
         parameter that requires gradients gets its averaging hook here, before the call's
         backward.
@@ -122,7 +103,7 @@ class ModelState:
         members = self._members()
         if members != self._seen or RemovableHandle.next_id != self._next_id:
             self._next_id = RemovableHandle.next_id
-            modules, self._params = _walk(self.model)
+            modules, self._params = list(self.model.modules()), list(self.model.parameters())
             self._param_dicts = [vars(m).get("_parameters", {}) for m in modules]
             self._module_dicts = [vars(m).get("_modules", {}) for m in modules]
             self._dicts = [vars(m).get(h, {}) for m in modules for h in _HOOKS]
@@ -225,13 +206,12 @@ def _user_modes() -> list[str]:
             and not getattr(m, "ignore_compile_internals", lambda: False)()]
 
 
-def dispatch_mode_error() -> AutospError | None:
+def dispatch_mode_error() -> AutospError:
     """The error for a torch dispatch mode active around the call (Dynamo's own error was a
-    raw RuntimeError), or None. Raised after the input guard, which compared whether one is
-    active across the mesh (one rank alone under it would leave the others waiting)."""
+    raw RuntimeError). Raised after the input guard, which compared whether one is active
+    across the mesh (ModelState.state; one rank alone under it would leave the others
+    waiting)."""
     modes = _user_modes()
-    if not modes:
-        return None
     return AutospError(
         f"[autosp:compile] found a torch dispatch mode active around the call ({', '.join(modes)}); "
         "expected none: torch.compile does not run a compiled graph under one. Count FLOPs or "

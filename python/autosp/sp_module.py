@@ -250,8 +250,8 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         state, changed = self.model_state.state()
         # Before any local check: ranks decide alike.
         self.input_guard.check_call(leaves, sig, state)
-        if (refused := dispatch_mode_error()) is not None:
-            raise refused
+        if state[3]:  # a torch dispatch mode around the call, on every rank (the guard compared)
+            raise dispatch_mode_error()
         if changed:
             self.model_state.warn_new_global_hooks()
             if self.traced_once and (why := dynamo_regions.marked_apart(self.module)):
