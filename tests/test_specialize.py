@@ -34,6 +34,7 @@ def _worker(rank: int, world: int, backend: str, dynamic: bool | None,
     import sys
 
     import autosp
+    from autosp.apply import RANK_INPUT
 
     sp_backend = sys.modules["autosp.backend"]  # the module (autosp.backend is also a function)
 
@@ -51,8 +52,17 @@ def _worker(rank: int, world: int, backend: str, dynamic: bool | None,
         out = real(gm, inputs, **kw)
         # AOTAutograd makes an integer input a symbol of the shape env: a static compile
         # must leave none there (autosp.specialize bakes the integers into the graph).
+        # The one symbol a static compile keeps is the rank, its last input
+        # (autosp.shared_compile), which must stay symbolic.
         shape_env = torch._guards.TracingContext.get().fake_mode.shape_env
-        compiles.append(any(_symbolic(x) for x in inputs) or bool(shape_env.var_to_val))
+        takes_rank = [n.name for n in gm.graph.nodes if n.op == "placeholder"][-1] == RANK_INPUT
+        assert takes_rank == (dynamic is False) or dynamic is None, (dynamic, takes_rank)
+        if takes_rank:
+            rank = inputs[-1]
+            assert isinstance(rank, torch.SymInt) and not rank.node.is_constant(), inputs
+            inputs = inputs[:-1]
+        others = set(shape_env.var_to_val) - ({rank.node.expr} if takes_rank else set())
+        compiles.append(any(_symbolic(x) for x in inputs) or bool(others))
         return out
 
     results = []

@@ -11,6 +11,7 @@ sizes, its random draws). It makes no decision of its own.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,14 @@ class RankContext:
     rank: int
     world: int
     group: str  # process-group name, as functional collectives take it
+    # The graph takes the rank as its last input (named RANK_INPUT) instead of holding it as a
+    # constant, so that every rank of a group compiles the same graph and PyTorch's caches can
+    # serve one rank's compile to the others (autosp.specialize keeps it symbolic).
+    rank_input: bool = False
+
+
+#: The name of the rank's placeholder in a graph applied with ``RankContext.rank_input``.
+RANK_INPUT = "autosp_rank"
 
 
 # Inserted SP ops whose result stands for the same single-device value as their operand (a
@@ -83,6 +92,10 @@ class _Replayer:
         self.env: dict[int, fx.Node] = {}
         self.old_to_new: dict[fx.Node, fx.Node] = {}
         self.seq_node: fx.Node | None = None
+        self.rank_node: fx.Node | None = None
+        if ctx.rank_input:  # moved after the copied inputs once they are all made (run)
+            self.rank_node = self.graph.placeholder(RANK_INPUT, type_expr=int)
+            self.ctx = dataclasses.replace(ctx, rank=self.rank_node)  # type: ignore[arg-type]
 
     def value_node(self, vid: int) -> fx.Node:
         return self.env[vid]
@@ -95,6 +108,10 @@ class _Replayer:
                     self.copy(cn)
                 else:
                     self.insert(cn)
+        if self.rank_node is not None:
+            inputs = [n for n in self.graph.nodes if n.op == "placeholder" and n is not self.rank_node]
+            if inputs:
+                inputs[-1].append(self.rank_node)  # the last input, after Dynamo's
         self.graph.lint()
         gm = fx.GraphModule(self.gm, self.graph)
         gm.meta.update(self.gm.meta)  # Dynamo's facts about the inputs (static params, ...)

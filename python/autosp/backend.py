@@ -8,6 +8,7 @@ graph each rank runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 import warnings
@@ -240,9 +241,10 @@ class SequenceParallelBackend:
                 if rec.gathered:
                     warnings.warn(gather_warning(rec.gathered), AutospGatherWarning, stacklevel=2)
             with stage("apply"):
-                new_gm = apply_plan(gm, bridge, plan, self.ctx)
+                ctx = self.ctx if self.dynamic else dataclasses.replace(self.ctx, rank_input=True)
+                new_gm = apply_plan(gm, bridge, plan, ctx)
                 rec.graph_module = new_gm
-                rec.example_inputs = list(example_inputs)
+                rec.example_inputs = list(example_inputs) + ([self.ctx.rank] if ctx.rank_input else [])
                 rec.stages.append(Stage("applied", new_gm.print_readable(print_output=False),
                                         time.perf_counter() - t2))
             if self.regions:
@@ -301,5 +303,7 @@ class SequenceParallelBackend:
         if self.dynamic:
             return compile_fn(new_gm, list(example_inputs))
         # Planned with S symbolic; compiled with each call's static shapes (autosp.specialize).
-        rec.per_shape = PerShapeCompiled(new_gm, compile_fn)
+        # The rank is an input of the graph, so that the ranks of a group compile one graph.
+        rec.per_shape = PerShapeCompiled(new_gm, compile_fn, rank=self.ctx.rank,
+                                         share=self.backend == "inductor")
         return rec.per_shape

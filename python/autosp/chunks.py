@@ -28,7 +28,9 @@ def chunk_bounds(n: int, offset: int, rank: int, world: int) -> tuple[int, int]:
             f"[autosp:apply] a sequence of {n - offset} positions with {offset:+d} at its end: found "
             f"{c} positions per rank for an SP degree of {world}; expected more than {-offset} per "
             "rank, so that every rank keeps at least one. Use a longer sequence or a smaller SP degree.")
-    return rank * c, (c + offset if rank == world - 1 else c)
+    # ``offset`` is tested first: the rank may be symbolic (autosp.specialize), and only the
+    # last rank's part differs, where an offset makes it.
+    return rank * c, (c + offset if offset and rank == world - 1 else c)
 
 
 def local_chunk(x: torch.Tensor, dim: int, outer: int, inner: int, rank: int, world: int,
@@ -96,7 +98,7 @@ def global_extent(n: int, unit: int, offset: int, rank: int, world: int) -> int:
     ``unit * (S + offset)`` elements (see ``chunk_bounds``)."""
     if offset == 0:
         return n * world
-    local = n // unit - (offset if rank == world - 1 else 0)
+    local = n // unit - (offset if rank == world - 1 else 0)  # offset != 0 here
     return (local * world + offset) * unit
 
 

@@ -100,9 +100,8 @@ def shift(x: torch.Tensor, dim: int, start: int, offset: int, in_offset: int, gr
     rank but the last, takes the first ``start`` positions of rank r + 1's part (a boundary
     exchange; every rank takes part in it, the last one receives nothing). Its backward returns
     the gradient of those positions to rank r + 1."""
-    last = rank == world - 1
     n = x.size(dim)
-    c = n - in_offset if last else n
+    c = n - in_offset if in_offset and rank == world - 1 else n  # (a symbolic rank: see chunks)
     _, length = chunk_bounds(c * world + offset, offset, rank, world)
     if start > min(c, c + in_offset):
         raise AutospError(
@@ -145,7 +144,7 @@ def halo(x: torch.Tensor, dim: int, left: int, right: int, last_pad: int, group:
         padded = torch.cat([heads, torch.zeros_like(heads[:1])], dim=0)  # slot world: zeros
         parts.append(padded[rank + 1])
     ext = torch.cat(parts, dim=dim) if len(parts) > 1 else x
-    if rank == world - 1 and last_pad != right:  # the right padding's zeros, not the next chunk
+    if last_pad != right and rank == world - 1:  # the right padding's zeros, not the next chunk
         n = ext.size(dim)
         if last_pad < right:
             ext = ext.narrow(dim, 0, n - (right - last_pad))

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from autosp import shared_compile
 from autosp.compile_cache import STATIC_INPUTS
 from autosp.errors import AutospError
 
@@ -74,9 +75,15 @@ class PerShapeCompiled:
     distinct :func:`shape_key` of its inputs, at the first call with them. ``shapes`` lists
     the keys compiled so far, in order; ``seconds`` the time each compile took."""
 
-    def __init__(self, gm: fx.GraphModule, compile_fn: Callable[[fx.GraphModule, list], Callable]):
+    def __init__(self, gm: fx.GraphModule, compile_fn: Callable[[fx.GraphModule, list], Callable],
+                 rank: int | None = None, share: bool = False):
         self._template = gm  # never compiled itself: each shape compiles a copy of its graph
         self._compile = compile_fn
+        # With a rank, ``gm`` takes it as its last input (autosp.apply.RankContext.rank_input):
+        # appended to every call, and compiled as a symbol, so that the ranks of a group
+        # compile one graph (autosp.shared_compile).
+        self._rank = rank
+        self._share = share  # a compile waits for another rank's of the same graph
         self._compiled: dict[tuple, Callable] = {}
         self.shapes: list[tuple] = []
         self.seconds: list[float] = []
@@ -92,7 +99,8 @@ class PerShapeCompiled:
         gm = fx.GraphModule(template, copy.deepcopy(template.graph))
         gm.meta = dict(template.meta)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        baked = {i for i, a in enumerate(args) if type(a) is int}
+        rank_at = len(args) - 1 if self._rank is not None else -1
+        baked = {i for i, a in enumerate(args) if type(a) is int and i != rank_at}
         for i in baked:
             _bake(placeholders[i], args[i])
         if baked and not _bake_regions(gm):  # a region cannot take a literal: keep the symbols
@@ -119,8 +127,12 @@ class PerShapeCompiled:
         _forget_unbacked_bindings(gm)
         inputs = [fake_mode.from_tensor(args[i], static_shapes=True)
                   if isinstance(args[i], torch.Tensor) else args[i] for i in keep]
+        if self._rank is not None:
+            inputs[-1] = shared_compile.rank_symbol(fake_mode.shape_env, self._rank)
         try:
-            with tracing(TracingContext(fake_mode)):
+            same = shape_key(args[:-1] if self._rank is not None else args)
+            with tracing(TracingContext(fake_mode)), \
+                    shared_compile.one_at_a_time(gm, same, self._share):
                 fn = self._compile(gm, inputs)
         except Retemplate as again:  # this shape compiles another graph
             if attempts >= _MAX_RETEMPLATES:
@@ -133,6 +145,8 @@ class PerShapeCompiled:
         return lambda *a: fn(*[a[i] for i in keep])
 
     def __call__(self, *args: Any) -> Any:
+        if self._rank is not None:
+            args = args + (self._rank,)
         key = shape_key(args)
         fn = self._compiled.get(key)
         if fn is None:

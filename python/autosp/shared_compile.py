@@ -1,0 +1,119 @@
+"""One compile for the ranks of a machine.
+
+With static sizes (autosp.specialize), the graph each rank runs takes its rank as an input
+(autosp.apply.RankContext.rank_input) that is compiled as a symbol, not as a constant. The
+ranks of an SP group then compile the same graph (all but the last, where a sequence offset
+makes the last rank's part longer), and PyTorch's FX graph and AOTAutograd caches can hand one
+rank's compile to the others. They compile at the same moment, though, so each would miss. A
+file lock per graph, in Inductor's cache directory, lets one rank compile while the others with
+the same graph wait, then load what it wrote (a cache hit). Ranks with other graphs take other
+locks and compile at once.
+
+The lock cannot hang the job: no collective runs while it is held, and the operating system
+releases it when its holder dies. A rank whose graph differs in some way the key does not see
+only compiles after the holder, as it would have compiled anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+#: Set to 0 to have every rank compile at once (each then compiles its own graph).
+ENV = "AUTOSP_SHARED_COMPILE"
+
+#: Seconds a rank waits for another's compile of its graph before it compiles anyway.
+WAIT_S = 1800.0
+
+
+def rank_symbol(shape_env: Any, rank: int) -> Any:
+    """The rank as a symbolic int of ``shape_env``, never specialised to its value (PyTorch
+    makes an integer input of 0 or 1 a constant), known to be >= 0."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    source = ConstantSource("autosp_rank")
+    sym = shape_env.create_symbol(rank, source, dynamic_dim=DimDynamic.DYNAMIC, positive=None,
+                                  do_not_specialize_zero_one=True)
+    shape_env.constrain_symbol_range(sym, compiler_min=0, compiler_max=2**31 - 1)
+    return shape_env.create_symintnode(sym, hint=rank, source=source)
+
+
+def enabled() -> bool:
+    """Whether a compile waits for another rank's compile of the same graph: only where
+    PyTorch's caches can hand it over."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    return (os.environ.get(ENV, "1") != "0" and bool(inductor_config.fx_graph_cache)
+            and bool(getattr(functorch_config, "enable_autograd_cache", False)))
+
+
+def graph_key(gm: fx.GraphModule, key: tuple) -> str:
+    """A name for the compile of ``gm`` (and its regions' subgraphs) for the shape key
+    ``key`` by this autosp and torch: what the ranks that can share one compile have alike."""
+    from autosp.compile_cache import source_hash
+
+    h = hashlib.sha256(f"{source_hash()} {torch.__version__} {key!r}".encode())
+    h.update(gm.code.encode())
+    for name, sub in gm.named_modules():
+        if sub is not gm and isinstance(sub, fx.GraphModule):
+            h.update(name.encode())
+            h.update(sub.code.encode())
+    return h.hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def one_at_a_time(gm: fx.GraphModule, key: tuple, share: bool) -> Iterator[None]:
+    """Around the compile of ``gm`` for the shape key ``key``: with ``share``, one process of
+    this machine at a time per graph, and the backward compiled with the forward, so that the
+    AOTAutograd cache entry (written once both are) is there for the next."""
+    if not share or not enabled():
+        yield
+        return
+    from filelock import FileLock, Timeout
+    from torch._functorch import config as functorch_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    path = Path(cache_dir()) / "autosp_locks" / f"{graph_key(gm, key)}.lock"
+    done = path.with_suffix(".done")  # written once a compile of this graph has finished
+    start = time.perf_counter()
+    lock = None
+    if not done.exists():
+        lock = FileLock(str(path))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock.acquire(timeout=WAIT_S)
+        except Timeout:
+            warnings.warn(f"[autosp:compile] waited {WAIT_S:.0f} s for another process's compile "
+                          f"of this graph ({path}); compiling it here as well.", stacklevel=3)
+            lock = None
+        except OSError:  # a cache directory this process cannot write: no sharing
+            lock = None
+        if lock is not None and done.exists():  # compiled while this one waited: load it
+            lock.release()  # (the loads of the waiting ranks run at once)
+            lock = None
+    LAST_WAIT[0] = time.perf_counter() - start
+    patch = ({"force_non_lazy_backward_lowering": True}
+             if hasattr(functorch_config, "force_non_lazy_backward_lowering") else {})
+    try:
+        with functorch_config.patch(patch):
+            yield
+        if lock is not None:
+            with contextlib.suppress(OSError):
+                done.touch()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+#: Seconds the last compile waited for another process's (a test reads it).
+LAST_WAIT = [0.0]
