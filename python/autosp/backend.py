@@ -305,5 +305,6 @@ class SequenceParallelBackend:
         # Planned with S symbolic; compiled with each call's static shapes (autosp.specialize).
         # The rank is an input of the graph, so that the ranks of a group compile one graph.
         rec.per_shape = PerShapeCompiled(new_gm, compile_fn, rank=self.ctx.rank,
-                                         share=self.backend == "inductor")
+                                         share=self.backend == "inductor",
+                                         last=self.ctx.rank == self.ctx.world - 1)
         return rec.per_shape

@@ -113,7 +113,7 @@ def shift(x: torch.Tensor, dim: int, start: int, offset: int, in_offset: int, gr
     # and never reads them): a gather whose result one rank left unused would be removed from
     # that rank's graph as dead code, and the other ranks would wait for it forever.
     heads = _GatherStack.apply(x.narrow(dim, 0, start), group, rank, True)
-    return torch.cat([x, heads[(rank + 1) % world]], dim=dim).narrow(dim, start, length)
+    return torch.cat([x, heads.select(0, (rank + 1) % world)], dim=dim).narrow(dim, start, length)
 
 
 def halo(x: torch.Tensor, dim: int, left: int, right: int, last_pad: int, group: str, rank: int,
@@ -137,12 +137,12 @@ def halo(x: torch.Tensor, dim: int, left: int, right: int, last_pad: int, group:
     if left > 0:
         tails = _GatherStack.apply(x.narrow(dim, c - left, left), group, rank, True)
         padded = torch.cat([torch.zeros_like(tails[:1]), tails], dim=0)  # slot r: rank r-1's
-        parts.append(padded[rank])
+        parts.append(padded.select(0, rank))
     parts.append(x)
     if right > 0:
         heads = _GatherStack.apply(x.narrow(dim, 0, right), group, rank, True)
         padded = torch.cat([heads, torch.zeros_like(heads[:1])], dim=0)  # slot world: zeros
-        parts.append(padded[rank + 1])
+        parts.append(padded.select(0, rank + 1))
     ext = torch.cat(parts, dim=dim) if len(parts) > 1 else x
     if last_pad != right and rank == world - 1:  # the right padding's zeros, not the next chunk
         n = ext.size(dim)
@@ -259,7 +259,12 @@ class _GatherStack(torch.autograd.Function):
         group, rank, sum_grads = ctx.args
         if sum_grads:
             g = _all_reduce(g, group)
-        return g[rank], None, None, None
+        return g.select(0, rank), None, None, None
+
+
+# A stack's slot is taken with ``select``, never ``stack[rank]``: the rank may be a symbol
+# (autosp.shared_compile), and indexing with one makes PyTorch guard on its value, which ties
+# the compiled graph to this rank (``select`` only checks that the rank is in range).
 
 
 def _reduce_stacked(g: torch.Tensor, op: str) -> torch.Tensor:
@@ -303,7 +308,12 @@ def scan(y: torch.Tensor, dim: int, op: str, group: str, rank: int) -> torch.Ten
     exclusive prefix of the totals of the ranks before it. Every rank runs the same ops (rank 0
     combines an empty prefix), so no rank skips the collective."""
     totals = _GatherStack.apply(y.narrow(dim, y.size(dim) - 1, 1), group, rank, True)
-    prefix = _reduce_stacked(totals[:rank], op)
+    # The totals of the ranks before this one: every slot, those from this rank on replaced by
+    # the op's identity (not ``totals[:rank]``, whose length would tie the graph to the rank).
+    before = torch.arange(totals.size(0), device=totals.device) < rank
+    identity = 0 if op == "cumsum" else 1 if op == "cumprod" else float("-inf")
+    prefix = _reduce_stacked(
+        torch.where(before.view(-1, *[1] * (totals.dim() - 1)), totals, identity), op)
     if op == "cumsum":
         return y + prefix
     if op == "cumprod":

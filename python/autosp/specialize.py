@@ -76,7 +76,7 @@ class PerShapeCompiled:
     the keys compiled so far, in order; ``seconds`` the time each compile took."""
 
     def __init__(self, gm: fx.GraphModule, compile_fn: Callable[[fx.GraphModule, list], Callable],
-                 rank: int | None = None, share: bool = False):
+                 rank: int | None = None, share: bool = False, last: bool = False):
         self._template = gm  # never compiled itself: each shape compiles a copy of its graph
         self._compile = compile_fn
         # With a rank, ``gm`` takes it as its last input (autosp.apply.RankContext.rank_input):
@@ -84,6 +84,10 @@ class PerShapeCompiled:
         # compile one graph (autosp.shared_compile).
         self._rank = rank
         self._share = share  # a compile waits for another rank's of the same graph
+        # Whether this is the last rank of its group, whose part is the one that differs where
+        # a shift or a halo makes an offset: it never waits for the others' compile, nor they
+        # for its.
+        self._last = last
         self._compiled: dict[tuple, Callable] = {}
         self.shapes: list[tuple] = []
         self.seconds: list[float] = []
@@ -130,7 +134,7 @@ class PerShapeCompiled:
         if self._rank is not None:
             inputs[-1] = shared_compile.rank_symbol(fake_mode.shape_env, self._rank)
         try:
-            same = shape_key(args[:-1] if self._rank is not None else args)
+            same = shape_key(args[:-1] if self._rank is not None else args) + (self._last,)
             with tracing(TracingContext(fake_mode)), \
                     shared_compile.one_at_a_time(gm, same, self._share):
                 fn = self._compile(gm, inputs)
