@@ -300,13 +300,14 @@ def cached_step(rank: int, world: int, cache_dir: str, seq_len: int,
     result["aot"] = dict(counters["aot_autograd"])
     result["report"] = [(g.saved_bytes, g.model_flops) for g in report.graphs]
     result["tiling"] = list(compiled.loss_tiling) + list(compiled.mlp_tiling)
+    result["waited"] = __import__("autosp.shared_compile").shared_compile.LAST_WAIT[0]
     return result
 
 
 @pytest.mark.parametrize("dynamic,second_len", [
-    (None, 32),
+    (None, 48),
     # 28 s more; the dynamic graph's hit across lengths (a step of the trainer compiles static)
-    pytest.param(True, 48, marks=pytest.mark.slow)])
+    pytest.param(True, 96, marks=pytest.mark.slow)])
 def test_second_process_hits_aot_autograds_cache_and_stays_exact(
         tmp_path: Any, dynamic: bool | None, second_len: int) -> None:
     """The default (dynamic=None: a first length compiles with static sizes) in a second process
@@ -316,14 +317,20 @@ def test_second_process_hits_aot_autograds_cache_and_stays_exact(
     their recipes' keys, arguments of the graph, must be the same in every process (a breaker
     found the MLP's held the address of F.silu once)."""
     cache = str(tmp_path / "inductor-cache")
-    first = run_ranks(2, cached_step, cache, 32, dynamic, timeout=600)
-    second = run_ranks(2, cached_step, cache, second_len, dynamic, timeout=600)
-    # Each rank compiles in the first process: rank 1 is the last of its group, which never
-    # waits for the others' compile (autosp.shared_compile; tests/test_shared_compile.py).
+    first = run_ranks(3, cached_step, cache, 48, dynamic, timeout=600)
+    second = run_ranks(3, cached_step, cache, second_len, dynamic, timeout=600)
+    # In the first process, with static sizes, ranks 0 and 1 run one graph (the rank is a
+    # symbolic input): one compiles it and the other waits and loads it. Rank 2, the last of
+    # the group, compiles its own at once (autosp.shared_compile). With dynamic=True each
+    # rank's graph holds its rank: every rank compiles.
     counts = [(c["aot"].get("autograd_cache_miss", 0), c["aot"].get("autograd_cache_hit", 0))
               for c in first]
-    assert counts == [(1, 0), (1, 0)], counts
-    for rank in range(2):
+    if dynamic is None:
+        assert sorted(counts[:2]) == [(0, 1), (1, 0)] and counts[2] == (1, 0), counts
+        assert max(c["waited"] for c in first[:2]) > 1.0, [c["waited"] for c in first]
+    else:
+        assert counts == [(1, 0)] * 3, counts
+    for rank in range(3):
         cold, warm = first[rank], second[rank]
         assert not cold["aot"].get("autograd_cache_bypass"), cold["aot"]
         assert warm["aot"].get("autograd_cache_hit", 0) == 1, warm["aot"]

@@ -46,6 +46,7 @@ def _check(per_rank: list[dict], name: str) -> tuple[int, int]:
     return misses, hits
 
 
+@pytest.mark.slow  # the default suite shares at world 3: tests/test_compile_cache.py
 def test_inner_ranks_share_one_compile_and_the_last_rank_compiles_its_own(tmp_path: Any) -> None:
     """World 4, a model that shifts inside its forward (logits[:, :-1] against labels[:, 1:],
     and h[:, 1:] - h[:, :-1]): the last rank's part is one position shorter, so its graph
@@ -96,3 +97,27 @@ def test_rank_symbol_is_never_a_constant() -> None:
         env = FakeTensorMode(shape_env=ShapeEnv()).shape_env
         s = rank_symbol(env, r)
         assert isinstance(s, torch.SymInt) and not s.node.is_constant() and s.node.hint == r
+
+
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+torch.fx.wrap("_opaque")
+
+
+def test_a_graph_the_caches_bypass_is_compiled_by_every_rank_at_once() -> None:
+    """No rank waits for another's compile of a graph AOTAutograd's cache would not take (a
+    call of an arbitrary Python function): each would compile it anyway, one after another."""
+    from autosp.shared_compile import cacheable
+
+    class Plain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(x) + torch.sum(x)
+
+    class Opaque(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _opaque(x) + 1
+
+    assert cacheable(torch.fx.symbolic_trace(Plain()))
+    assert not cacheable(torch.fx.symbolic_trace(Opaque()))

@@ -71,12 +71,34 @@ def graph_key(gm: fx.GraphModule, key: tuple) -> str:
     return h.hexdigest()[:32]
 
 
+def cacheable(gm: fx.GraphModule) -> bool:
+    """Whether AOTAutograd's cache would take ``gm`` (with autosp's functions marked, as autosp's
+    compile marks them): a graph it bypasses is compiled by every rank, so no rank waits for
+    another's. True where this torch cannot tell."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCache,
+                                                                   check_cacheable)
+        from torch._inductor import config as inductor_config
+
+        from autosp.compile_cache import marked_cacheable
+    except ImportError:
+        return True
+    try:
+        with inductor_config.patch(unsafe_marked_cacheable_functions=marked_cacheable()):
+            check_cacheable(gm)
+    except BypassAOTAutogradCache:
+        return False
+    except Exception:  # a check this torch makes differently: the compile will tell
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def one_at_a_time(gm: fx.GraphModule, key: tuple, share: bool) -> Iterator[None]:
     """Around the compile of ``gm`` for the shape key ``key``: with ``share``, one process of
     this machine at a time per graph, and the backward compiled with the forward, so that the
     AOTAutograd cache entry (written once both are) is there for the next."""
-    if not share or not enabled():
+    if not share or not enabled() or not cacheable(gm):
         yield
         return
     from filelock import FileLock, Timeout
