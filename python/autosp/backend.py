@@ -26,7 +26,7 @@ from autosp.dynamo_regions import RegionReuseError, inline_regions
 from autosp.compile_cache import load_admissions, save_admissions
 from autosp.errors import AutospError, AutospGatherWarning, stage
 from autosp.outline import outline_by_admissions
-from autosp.remat_policy import AUTO, BACKENDS, MemoryBudget, Offload  # names defined once
+from autosp.remat_policy import AUTO, BACKENDS, INDUCTOR, MemoryBudget, Offload  # names defined once
 from autosp.remat_regions import RegionAdmissions
 from autosp.specialize import PerShapeCompiled, Retemplate
 
@@ -305,6 +305,6 @@ class SequenceParallelBackend:
         # Planned with S symbolic; compiled with each call's static shapes (autosp.specialize).
         # The rank is an input of the graph, so that the ranks of a group compile one graph.
         rec.per_shape = PerShapeCompiled(new_gm, compile_fn, rank=self.ctx.rank,
-                                         share=self.backend == "inductor",
+                                         share=self.backend == INDUCTOR,
                                          last=self.ctx.rank == self.ctx.world - 1)
         return rec.per_shape

@@ -89,6 +89,15 @@ def marked_cacheable() -> dict[str, str]:
 STATIC_INPUTS = "autosp_static_inputs"
 
 
+def hash_graph_code(h: Any, gm: Any) -> None:
+    """Adds ``gm``'s code to the hash ``h``, and its regions' subgraphs' (autosp.outline)."""
+    h.update(gm.code.encode())
+    for name, sub in gm.named_modules():
+        if sub is not gm and isinstance(sub, torch.fx.GraphModule):
+            h.update(name.encode())
+            h.update(sub.code.encode())
+
+
 def report_key(gm: Any, partitioner_uuid: str, example_inputs: Sequence[Any] | None = None) -> str:
     """The key of the reports of ``gm``'s partition: the partitioner's identity, the graph's
     code and its inputs' types with their sizes (as the AOTAutograd cache keys a graph
@@ -101,11 +110,7 @@ def report_key(gm: Any, partitioner_uuid: str, example_inputs: Sequence[Any] | N
     Dynamo's symbolic values: keyed by those, two lengths of a graph that takes no integer
     input shared one report (found by a breaker: the report of S = 64 read back at S = 32)."""
     h = hashlib.sha256(partitioner_uuid.encode())
-    h.update(gm.code.encode())
-    for name, sub in gm.named_modules():  # regions' subgraphs (autosp.outline): their code too
-        if sub is not gm and isinstance(sub, torch.fx.GraphModule):
-            h.update(name.encode())
-            h.update(sub.code.encode())
+    hash_graph_code(h, gm)
     values = (list(example_inputs) if example_inputs is not None and gm.meta.get(STATIC_INPUTS)
               else [n.meta.get("example_value", n.meta.get("val"))
                     for n in gm.graph.find_nodes(op="placeholder")])

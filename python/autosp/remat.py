@@ -70,7 +70,7 @@ from autosp.errors import AutospError
 from autosp.remat_facts import gather_facts
 from autosp.remat_flops import SizeFn, node_flops
 from autosp.remat_partition import make_partition_fn
-from autosp.remat_policy import (AUTO, BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, Auto,
+from autosp.remat_policy import (AOT_EAGER, AUTO, BACKENDS, DEFAULT_RECOMPUTE_FLOPS_RATIO, POLICIES, Auto,
                                  GraphRematReport, MemoryBudget, Offload, RematPolicy, RematReport,
                                  _core_options)
 
@@ -207,7 +207,7 @@ def compile_joint(
     )
     from autosp.outline import regions_known_pure
 
-    if backend == "aot_eager":
+    if backend == AOT_EAGER:
         from torch._dynamo.backends.common import aot_autograd
 
         from autosp.backend import eager_graph

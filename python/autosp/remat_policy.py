@@ -18,7 +18,8 @@ from autosp.errors import AutospError
 DEFAULT_RECOMPUTE_FLOPS_RATIO = 0.1
 
 POLICIES = ("none", "default", "sequence-aware")
-BACKENDS = ("inductor", "aot_eager")
+INDUCTOR, AOT_EAGER = "inductor", "aot_eager"
+BACKENDS = (INDUCTOR, AOT_EAGER)
 
 
 @dataclass(frozen=True)

@@ -60,14 +60,10 @@ def enabled() -> bool:
 def graph_key(gm: fx.GraphModule, key: tuple) -> str:
     """A name for the compile of ``gm`` (and its regions' subgraphs) for the shape key
     ``key`` by this autosp and torch: what the ranks that can share one compile have alike."""
-    from autosp.compile_cache import source_hash
+    from autosp.compile_cache import hash_graph_code, source_hash
 
     h = hashlib.sha256(f"{source_hash()} {torch.__version__} {key!r}".encode())
-    h.update(gm.code.encode())
-    for name, sub in gm.named_modules():
-        if sub is not gm and isinstance(sub, fx.GraphModule):
-            h.update(name.encode())
-            h.update(sub.code.encode())
+    hash_graph_code(h, gm)
     return h.hexdigest()[:32]
 
 
