@@ -121,3 +121,65 @@ def test_a_graph_the_caches_bypass_is_compiled_by_every_rank_at_once() -> None:
 
     assert cacheable(torch.fx.symbolic_trace(Plain()))
     assert not cacheable(torch.fx.symbolic_trace(Opaque()))
+
+
+# The styles whose inserted ops take the rank, and nanoGPT (only the chunk's bounds). Where an
+# offset makes the last rank's part differ (a shift, a convolution's halo), its compile must be
+# told apart from the others' by a guard on the rank; everywhere else no guard may tell them apart.
+_OFFSET = {"shift-inside-multi-token", "causal-conv1d-mixer"}
+_FEW = ["shift-inside-multi-token", "causal-conv1d-mixer", "cumsum-mixer"]
+_ALL = _FEW + ["llama-scratch-complex-rope", "packed-docs-llama", "nanogpt"]
+
+
+def _rank_guards(gloo_rank: int, gloo_world: int, names: list[str], ranks: list[int],
+                 world: int) -> dict:
+    """Each (style, rank of ``world``) this process takes, compiled static under aot_eager on a
+    fake process group of ``world``: the guards its compile put on the rank symbol, and the
+    ranks of the group it serves (autosp.shared_compile.serves)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from autosp.shared_compile import serves
+
+    dist.destroy_process_group()
+    out = {}
+    pairs = [(n, r) for n in names for r in ranks]
+    for name, rank in pairs[gloo_rank::gloo_world]:
+        style = styles.ALL[name]
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            compiled = autosp.compile(style.build(), mesh=autosp.init_mesh(world), seq_dim=1,
+                                      backend="aot_eager", dynamic=False, check_inputs="never")
+            compiled(*style.inputs(11, 32)).backward()
+            [(symbol, guards)] = compiled.sp_backend.records[-1].per_shape.rank_guards
+            out[name, rank] = ([str(g) for g in guards],
+                               [o for o in range(world) if serves(guards, symbol, o)])
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("names, ranks", [
+    (_FEW, [0, 2, 3]),
+    pytest.param(_ALL, [0, 1, 2, 3], marks=pytest.mark.slow),
+], ids=["few", "all"])
+def test_a_compile_serves_every_rank_whose_part_is_alike(names: list[str], ranks: list[int]) -> None:
+    """World 4, static sizes, the guards each rank's compile puts on the rank symbol (what
+    PyTorch's caches check before they hand a compile to another rank; one process per rank
+    on a fake process group, aot_eager): ranks 0-2's compiles each serve ranks 0-2, so one
+    compile is shared. Where the last rank's part differs, its compile serves it alone
+    (``Eq(rank, 3)``) and theirs never serves it (``Ne(rank, 3)``); elsewhere every compile
+    serves every rank. Found by breaker helper-73: a rank's slot taken with ``stack[rank]``, or
+    a scan's ``totals[:rank]``, guarded the rank's value, and each rank compiled its own."""
+    found: dict = {}
+    for part in run_ranks(2, _rank_guards, names, ranks, 4, timeout=900):
+        found.update(part)
+    assert sorted(found) == sorted((n, r) for n in names for r in ranks)
+    for (name, rank), (guards, served) in sorted(found.items()):
+        if name in _OFFSET:
+            assert served == ([3] if rank == 3 else [0, 1, 2]), (name, rank, guards)
+        else:
+            assert served == [0, 1, 2, 3], (name, rank, guards)

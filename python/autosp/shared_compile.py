@@ -47,6 +47,29 @@ def rank_symbol(shape_env: Any, rank: int) -> Any:
     return shape_env.create_symintnode(sym, hint=rank, source=source)
 
 
+def rank_guards(shape_env: Any, rank: Any) -> list:
+    """The guards a compile put on the rank symbol ``rank`` (sympy expressions in it): a
+    compile serves another rank only where each holds with that rank substituted
+    (:func:`serves`). Every compile bounds the rank by its chunk's offset (``8*rank <= 24``
+    for a part of 8 in 32); where an offset makes the last rank's part differ, the last rank's
+    compile guards ``Eq(rank, world - 1)`` and the others' ``Ne(rank, world - 1)``."""
+    sym = _symbol(rank)
+    return [g.expr for g in shape_env.guards if sym in g.expr.free_symbols]
+
+
+def _symbol(rank: Any) -> Any:
+    """The rank's sympy symbol as created (``node.expr`` is its value once a guard has made
+    it equal to one, as ``rank == world - 1`` does on the last rank)."""
+    return getattr(rank.node, "_expr", rank.node.expr)
+
+
+def serves(guards: list, rank: Any, other: int) -> bool:
+    """Whether a compile with these :func:`rank_guards` on the symbol ``rank`` is valid for
+    the rank ``other`` (what PyTorch's caches check before they hand it over)."""
+    sym = _symbol(rank)
+    return all(bool(g.subs(sym, other)) for g in guards)
+
+
 def enabled() -> bool:
     """Whether a compile waits for another rank's compile of the same graph: only where
     PyTorch's caches can hand it over."""
