@@ -83,6 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per model")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per model")
     parser.add_argument("--seed", type=int, default=0, help="weights and batch seed")
+    parser.add_argument("--first-call-only", action="store_true",
+                        help="time the first call only (compile + forward + backward) and print "
+                             "it as 'first call s <model>: <seconds>' (bench/first_call_sp.py)")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = set(args.models) - {"autosp", "handwritten"}
@@ -181,6 +184,12 @@ def run(args: argparse.Namespace) -> None:
             if i == 0:
                 compile_s[name] = max_over_ranks(time.perf_counter() - start)
                 first_loss[name] = loss.item()
+
+    if args.first_call_only:
+        if rank == 0:
+            for name in steps:
+                print(f"first call s {name}: {compile_s[name]:.3f}")
+        return
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.iters):

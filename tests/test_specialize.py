@@ -173,8 +173,14 @@ class _ReadsMode(torch.nn.Module):
         return self.inner(ids, labels) * (1.0 + 0.1 * self.mode)
 
 
-def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
-    """Dynamo graphs after each call of three runs with dynamic=None (breaker helper-61)."""
+def _freeze(*names: str) -> Any:
+    return lambda m: [p.requires_grad_(False) for n, p in m.named_parameters()
+                      if n.startswith(names)]
+
+
+def _automatic_worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+    """Dynamo graphs after each call of the runs ``names`` with dynamic=None (breaker
+    helper-61 and later), each after a reset of Dynamo."""
     import autosp
 
     mesh = autosp.init_mesh(world)
@@ -196,102 +202,123 @@ def _automatic_worker(rank: int, world: int) -> dict[str, Any]:
             graphs.append(len(compiled.sp_backend.records))
         out[name] = (graphs, results)
 
-    # Three batch sizes at two lengths under a recompile limit of 4: the static graphs of the
-    # first length stay in Dynamo's cache, and the limit is raised by as many. A fourth batch
-    # size, first at the first length, then at the second: one graph (the symbolic one's),
-    # not one for each (breaker helper-62).
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=4):
-        run("limit", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
-            [(b, s) for s in (16, 32) for b in (1, 2, 3)] + [(4, 16), (4, 32)])
-    # Back to the first length after the switch: its static graph serves it, as torch.compile's
-    # does (the symbolic graph traced at 32 guards S > 20).
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    run("branch", _BranchOnLength(), [(2, 16), (2, 32), (2, 48), (2, 16)])
-    # A second length of one token per rank compiles static: a symbolic graph traced there
-    # would be specialised on a chunk of size 1. The switch then comes at a new length (32),
-    # not back at the first (helper-62).
-    torch._dynamo.reset()
-    run("one token", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
-        [(2, 16), (2, world), (2, 16), (2, 32), (2, 16)])
-    # Parameters frozen after the switch (gradual unfreezing, in reverse): Dynamo guards on
-    # requires_grad. A call from before the switch with other parameters frozen takes the
-    # symbolic graph, which the next new length reuses: one graph per change, as with
-    # dynamic=True, not one in each torch.compile (breaker helper-63: the recompile limit
-    # reached at the fourth change).
-    torch._dynamo.reset()
+    def limit() -> None:
+        # Three batch sizes at two lengths under a recompile limit of 4: the static graphs of
+        # the first length stay in Dynamo's cache, and the limit is raised by as many. A fourth
+        # batch size, first at the first length, then at the second: one graph (the symbolic
+        # one's), not one for each (breaker helper-62).
+        with torch._dynamo.config.patch(recompile_limit=4):
+            run("limit", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+                [(b, s) for s in (16, 32) for b in (1, 2, 3)] + [(4, 16), (4, 32)])
 
-    def freeze(*names: str) -> Any:
-        return lambda m: [p.requires_grad_(False) for n, p in m.named_parameters()
-                          if n.startswith(names)]
+    def branch() -> None:
+        # Back to the first length after the switch: its static graph serves it, as
+        # torch.compile's does (the symbolic graph traced at 32 guards S > 20).
+        torch.manual_seed(0)
+        run("branch", _BranchOnLength(), [(2, 16), (2, 32), (2, 48), (2, 16)])
 
-    run("frozen", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
-        [(2, 16), (2, 32), (2, 16), (2, 48), (2, 16), (2, 64), (2, 32)],
-        before={2: freeze("lm_head"), 4: freeze("norm")})
-    # A torch.compile'd function of the user's inside an opaque op, run by the static graph
-    # after the switch: it compiles as it would anywhere, and every call runs the op once
-    # (breaker helper-65: a stance set around the static graph refused its compile, and the
-    # step ran again through the other graph).
-    torch._dynamo.reset()
-    model = build_model(tiny_config(4, 2, vocab_size=VOCAB))
-    model.norm = _Tapped(model.norm)
-    taps = []
+    def one_token() -> None:
+        # A second length of one token per rank compiles static: a symbolic graph traced there
+        # would be specialised on a chunk of size 1. The switch then comes at a new length
+        # (32), not back at the first (helper-62).
+        run("one token", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+            [(2, 16), (2, world), (2, 16), (2, 32), (2, 16)])
 
-    def count(m: Any) -> None:
-        taps.append(_TAPS[0])
+    def frozen() -> None:
+        # Parameters frozen after the switch (gradual unfreezing, in reverse): Dynamo guards on
+        # requires_grad. A call from before the switch with other parameters frozen takes the
+        # symbolic graph, which the next new length reuses: one graph per change, as with
+        # dynamic=True, not one in each torch.compile (breaker helper-63: the recompile limit
+        # reached at the fourth change).
+        run("frozen", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+            [(2, 16), (2, 32), (2, 16), (2, 48), (2, 16), (2, 64), (2, 32)],
+            before={2: _freeze("lm_head"), 4: _freeze("norm")})
+
+    def full() -> None:
+        # Parameters frozen after the switch, compiled at a new length, then a call at the
+        # first length, under a recompile limit that the graphs of both compiles fill: the
+        # symbolic graph serves it, as with dynamic=True (breaker helper-67: the static compile
+        # hit the limit before its backend could refuse, and the call raised
+        # [autosp:recompile] for good).
+        with torch._dynamo.config.patch(recompile_limit=2):
+            run("full", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
+                [(2, 16), (2, 32), (2, 32), (2, 16), (2, 16)], before={2: _freeze("lm_head")})
+
+    def mode() -> None:
+        # A value the model reads changing after the switch (a step counter): Dynamo guards on
+        # it, the call's record does not hold it. The static compile refuses the call and it
+        # takes the symbolic graph, so the recompile limit (3, raised by the one static graph)
+        # stops it at the same change as dynamic=True's (breaker helper-66: graphs in the
+        # static compile raised the limit in turn, without end).
+        flagged = _ReadsMode(build_model(tiny_config(4, 2, vocab_size=VOCAB)))
+        compiled = autosp.compile(flagged, mesh=mesh, backend="aot_eager")
+        graphs: list[Any] = []
+        results = []
+        with torch._dynamo.config.patch(recompile_limit=3):
+            for step, seq in enumerate([16, 32, 16, 16, 16, 16]):
+                flagged.mode = max(0, step - 1)
+                ids, labels = make_batch(VOCAB, 2, seq, step)
+                try:
+                    results.append(step_against_reference(flagged, compiled, ids, labels))
+                except autosp.AutospError as e:
+                    graphs.append(str(e)[:18])
+                    break
+                graphs.append(len(compiled.sp_backend.records))
+        out["mode"] = (graphs, results)
+
+    def tapped() -> None:
+        # A torch.compile'd function of the user's inside an opaque op, run by the static graph
+        # after the switch: it compiles as it would anywhere, and every call runs the op once
+        # (breaker helper-65: a stance set around the static graph refused its compile, and the
+        # step ran again through the other graph).
+        model = build_model(tiny_config(4, 2, vocab_size=VOCAB))
+        model.norm = _Tapped(model.norm)
+        taps = []
+
+        def count(m: Any) -> None:
+            taps.append(_TAPS[0])
+            _TAPS[0] = 0
+
         _TAPS[0] = 0
+        run("tapped", model, [(2, 16), (2, 32), (2, 16), (2, 16)],
+            before={1: count, 2: count, 3: count})
+        count(model)
+        out["taps"] = taps
 
-    # Parameters frozen after the switch, compiled at a new length, then a call at the first
-    # length, under a recompile limit that the graphs of both compiles fill: the symbolic graph
-    # serves it, as with dynamic=True (breaker helper-67: the static compile hit the limit
-    # before its backend could refuse, and the call raised [autosp:recompile] for good).
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=2):
-        run("full", build_model(tiny_config(4, 2, vocab_size=VOCAB)),
-            [(2, 16), (2, 32), (2, 32), (2, 16), (2, 16)], before={2: freeze("lm_head")})
-    # A value the model reads changing after the switch (a step counter): Dynamo guards on it,
-    # the call's record does not hold it. The static compile refuses the call and it takes the
-    # symbolic graph, so the recompile limit (3, raised by the one static graph) stops it at
-    # the same change as dynamic=True's (breaker helper-66: graphs in the static compile raised
-    # the limit in turn, without end).
-    torch._dynamo.reset()
-    flagged = _ReadsMode(build_model(tiny_config(4, 2, vocab_size=VOCAB)))
-    compiled = autosp.compile(flagged, mesh=mesh, backend="aot_eager")
-    graphs: list[Any] = []
-    results = []
-    with torch._dynamo.config.patch(recompile_limit=3):
-        for step, seq in enumerate([16, 32, 16, 16, 16, 16]):
-            flagged.mode = max(0, step - 1)
-            ids, labels = make_batch(VOCAB, 2, seq, step)
-            try:
-                results.append(step_against_reference(flagged, compiled, ids, labels))
-            except autosp.AutospError as e:
-                graphs.append(str(e)[:18])
-                break
-            graphs.append(len(compiled.sp_backend.records))
-    out["mode"] = (graphs, results)
-    _TAPS[0] = 0
-    run("tapped", model, [(2, 16), (2, 32), (2, 16), (2, 16)], before={1: count, 2: count, 3: count})
-    count(model)
-    out["taps"] = taps
+    scenarios = {"limit": limit, "branch": branch, "one token": one_token, "frozen": frozen,
+                 "full": full, "mode": mode, "tapped": tapped}
+    for name in names:
+        torch._dynamo.reset()
+        scenarios[name]()
     return out
 
 
-def test_automatic_keeps_the_static_graphs_and_the_recompile_limit() -> None:
-    for rank, out in enumerate(run_ranks(2, _automatic_worker)):
-        taps = out.pop("taps")
-        for name, (_, results) in out.items():
+# What each run's Dynamo graph count is after each call (the last run also counts its taps).
+_AUTOMATIC = {
+    "limit": [1, 2, 3, 4, 5, 6, 7, 7],
+    "branch": [1, 2, 2, 2],
+    "one token": [1, 1, 1, 2, 2],
+    "frozen": [1, 2, 3, 3, 4, 4, 4],
+    "full": [1, 2, 3, 3, 3],
+    "mode": [1, 2, 3, 4, "[autosp:recompile]"],  # the reference model's step and the compiled one
+    "tapped": [1, 2, 2, 2],
+}
+
+
+@pytest.mark.parametrize("names", [
+    ["limit", "branch", "mode"],
+    pytest.param(["one token", "frozen", "full", "tapped"], marks=pytest.mark.slow),
+], ids=["limit-branch-mode", "more"])
+def test_automatic_keeps_the_static_graphs_and_the_recompile_limit(names: list[str]) -> None:
+    for rank, out in enumerate(run_ranks(2, _automatic_worker, names)):
+        taps = out.pop("taps", None)
+        assert sorted(out) == sorted(names), sorted(out)
+        for name, (graphs, results) in out.items():
             for i, result in enumerate(results):
                 assert_step_exact(result, f"{name}, call {i}, rank {rank}")
-        assert out["limit"][0] == [1, 2, 3, 4, 5, 6, 7, 7], out["limit"][0]
-        assert out["branch"][0] == [1, 2, 2, 2], out["branch"][0]
-        assert out["one token"][0] == [1, 1, 1, 2, 2], out["one token"][0]
-        assert out["frozen"][0] == [1, 2, 3, 3, 4, 4, 4], out["frozen"][0]
-        assert out["tapped"][0] == [1, 2, 2, 2], out["tapped"][0]
-        assert taps == [2, 2, 2, 2], taps
-        assert out["full"][0] == [1, 2, 3, 3, 3], out["full"][0]
-        assert out["mode"][0] == [1, 2, 3, 4, "[autosp:recompile]"], out["mode"][0]  # the reference model's step and the compiled one
+            assert graphs == _AUTOMATIC[name], (name, graphs)
+        if "tapped" in names:
+            assert taps == [2, 2, 2, 2], taps
 
 
 def test_a_bad_dynamic_is_refused() -> None:
