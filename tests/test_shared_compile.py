@@ -163,7 +163,7 @@ def _rank_guards(gloo_rank: int, gloo_world: int, names: list[str], ranks: list[
 
 
 @pytest.mark.parametrize("names, ranks", [
-    (_FEW, [0, 2, 3]),
+    (_FEW, [0, 3]),  # (rank 0's guards, evaluated at ranks 1 and 2, say whether they share)
     pytest.param(_ALL, [0, 1, 2, 3], marks=pytest.mark.slow),
 ], ids=["few", "all"])
 def test_a_compile_serves_every_rank_whose_part_is_alike(names: list[str], ranks: list[int]) -> None:
