@@ -73,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="loop over the hand-written model's layers in a method of their own "
                              "(ulysses_handwritten decoder_frame=True): torch.compile then compiles "
                              "its embedding, lm_head and loss, which it otherwise runs eagerly")
+    parser.add_argument("--regions", action="store_true",
+                        help="autosp.compile(regions=True): each class of alike decoder layers "
+                             "compiled once (the trainer's default)")
     parser.add_argument("--models", default="autosp,handwritten",
                         help="comma-separated subset of autosp,handwritten to run")
     parser.add_argument("--dynamic", choices=["auto", "true", "false"], default="auto",
@@ -164,6 +167,7 @@ def run(args: argparse.Namespace) -> None:
         compiled = autosp.compile(
             sp_model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend,
             dynamic={"auto": None, "true": True, "false": False}[args.dynamic],
+            regions=args.regions,
         )
         models["autosp"] = sp_model
         steps["autosp"] = lambda: compiled(input_ids, labels)
@@ -218,7 +222,7 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"\nautosp bench: P={world} S={args.seq} B={args.batch} hidden={args.hidden} "
         f"layers={args.layers} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={args.vocab} "
-        f"backend={args.backend} remat={args.remat} dynamic={args.dynamic} "
+        f"backend={args.backend} remat={args.remat} dynamic={args.dynamic} regions={args.regions} "
         f"handwritten={hand_mode} "
         f"threads/rank={torch.get_num_threads()} warmup={args.warmup} iters={args.iters}"
     )

@@ -166,7 +166,8 @@ def _rank_guards(gloo_rank: int, gloo_world: int, names: list[str], ranks: list[
     (_FEW, [0, 3]),  # (rank 0's guards, evaluated at ranks 1 and 2, say whether they share)
     pytest.param(_ALL, [0, 1, 2, 3], marks=pytest.mark.slow),
 ], ids=["few", "all"])
-def test_a_compile_serves_every_rank_whose_part_is_alike(names: list[str], ranks: list[int]) -> None:
+def test_a_compile_serves_every_rank_whose_part_is_alike(names: list[str],
+                                                         ranks: list[int]) -> None:
     """World 4, static sizes, the guards each rank's compile puts on the rank symbol (what
     PyTorch's caches check before they hand a compile to another rank; one process per rank
     on a fake process group, aot_eager): ranks 0-2's compiles each serve ranks 0-2, so one
