@@ -184,3 +184,69 @@ def test_a_compile_serves_every_rank_whose_part_is_alike(names: list[str],
             assert served == ([3] if rank == 3 else [0, 1, 2]), (name, rank, guards)
         else:
             assert served == [0, 1, 2, 3], (name, rank, guards)
+
+
+def _set(module: str, path: str, value: Any) -> Any:
+    """Sets the option ``path`` of the config ``module``; returns its old value."""
+    import importlib
+
+    obj = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    return old
+
+
+def test_no_rank_waits_when_the_compile_itself_runs_collectives(tmp_path: Any,
+                                                                monkeypatch: Any) -> None:
+    """Each of PyTorch's options that has a compile run collectives over the ranks (here: every
+    one this torch has) turns sharing off: no lock is taken. A rank waiting on the lock would
+    never join the holder's collective (breaker helper-74: a hang)."""
+    from autosp import shared_compile
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(shared_compile.ENV, "1")
+    gm = torch.fx.symbolic_trace(torch.nn.GELU())
+    with shared_compile.one_at_a_time(gm, ("key",), share=True):
+        pass
+    assert (tmp_path / "autosp_locks").is_dir()  # the control: sharing takes a lock
+    tried = []
+    for module, path in shared_compile._COLLECTIVE_OPTIONS:
+        try:
+            old = _set(module, path, True)
+        except AttributeError:  # an option this torch does not have
+            continue
+        try:
+            assert not shared_compile.enabled(), path
+            with shared_compile.one_at_a_time(gm, (path,), share=True):
+                pass
+            assert not any(tmp_path.glob(f"autosp_locks/{shared_compile.graph_key(gm, (path,))}*"))
+        finally:
+            _set(module, path, old)
+        tried.append(path)
+    assert "runtime_estimations_align_across_all_distributed_ranks" in tried, tried
+    assert shared_compile.enabled()
+
+
+def _aligned_case(rank: int, world: int, cache_dir: str) -> dict:
+    """The shared-compile case with Inductor aligning its runtime estimates over the ranks while
+    it compiles (an all_gather_object inside the compile)."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.config_comms as config_comms
+
+    inductor_config.reorder_for_compute_comm_overlap = True
+    config_comms.runtime_estimations_align_across_all_distributed_ranks = True
+    return _case(rank, world, cache_dir, "nanogpt", 12, True)
+
+
+@pytest.mark.slow  # about a minute; the default suite checks that no lock is taken
+def test_a_compile_that_runs_collectives_does_not_hang(tmp_path: Any) -> None:
+    """World 3, Inductor with reorder_for_compute_comm_overlap and runtime estimates aligned
+    over the ranks: every rank compiles at once (3 misses) and is exact. With sharing, rank 0
+    held the lock inside the compile's all_gather_object while rank 1 waited on the lock: no
+    progress until the 30-minute wait ran out (breaker helper-74)."""
+    per_rank = run_ranks(3, _aligned_case, str(tmp_path / "a"), timeout=600)
+    assert _check(per_rank, "nanogpt") == (3, 0)
+    assert all(o["waited"] < 1.0 for o in per_rank), [o["waited"] for o in per_rank]

@@ -9,8 +9,9 @@ file lock per graph, in Inductor's cache directory, lets one rank compile while 
 the same graph wait, then load what it wrote (a cache hit). Ranks with other graphs take other
 locks and compile at once.
 
-The lock cannot hang the job: no collective runs while it is held, and the operating system
-releases it when its holder dies. A rank whose graph differs in some way the key does not see
+The lock cannot hang the job: autosp runs no collective while it is held, no rank waits when
+one of PyTorch's options has the compile itself run collectives (:func:`compile_collectives`),
+and the operating system releases the lock when its holder dies. A rank whose graph differs in some way the key does not see
 only compiles after the holder, as it would have compiled anyway.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import os
 import time
 import warnings
@@ -70,14 +72,48 @@ def serves(guards: list, rank: Any, other: int) -> bool:
     return all(bool(g.subs(sym, other)) for g in guards)
 
 
+# PyTorch's options under which a compile itself runs collectives over the ranks: aligning
+# the scheduler's runtime estimates, checking that every rank compiled the same graph, sharing
+# max-autotune's work, agreeing on the partitioner's saved values. A rank waiting on the lock
+# never joins them, so the holder waits for it until the wait times out (found by breaker
+# helper-74: reorder_for_compute_comm_overlap with aligned estimates, 4 ranks, no progress in
+# 300 s). With any of them on, no rank waits for another's compile.
+_COLLECTIVE_OPTIONS = (
+    ("torch._inductor.config_comms", "runtime_estimations_align_across_all_distributed_ranks"),
+    ("torch._inductor.config_comms",
+     "reorder_for_compute_comm_overlap_broadcast_runtime_estimations"),
+    ("torch._inductor.config", "aten_distributed_optimizations.enable_overlap_scheduling"),
+    ("torch._inductor.config", "aten_distributed_optimizations.spmd_check"),
+    ("torch._inductor.config", "distributed_max_autotune_gemm"),
+    ("torch._functorch.config", "_sync_decision_cross_ranks"),
+)
+
+
+def compile_collectives() -> list[str]:
+    """The options of :data:`_COLLECTIVE_OPTIONS` that are on (an option this torch lacks is
+    off)."""
+    on = []
+    for module, path in _COLLECTIVE_OPTIONS:
+        try:
+            value: Any = importlib.import_module(module)
+        except ImportError:
+            continue
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if value:
+            on.append(f"{module}.{path}")
+    return on
+
+
 def enabled() -> bool:
     """Whether a compile waits for another rank's compile of the same graph: only where
-    PyTorch's caches can hand it over."""
+    PyTorch's caches can hand it over, and no option has the compile run collectives."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
     return (os.environ.get(ENV, "1") != "0" and bool(inductor_config.fx_graph_cache)
-            and bool(getattr(functorch_config, "enable_autograd_cache", False)))
+            and bool(getattr(functorch_config, "enable_autograd_cache", False))
+            and not compile_collectives())
 
 
 def graph_key(gm: fx.GraphModule, key: tuple) -> str:
