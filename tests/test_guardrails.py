@@ -505,6 +505,26 @@ def test_internal_error_names_the_stage_and_keeps_the_cause(monkeypatch: pytest.
     assert isinstance(info.value.__cause__, ValueError) and str(info.value.__cause__) == "injected failure"
 
 
+def test_a_failure_of_inductor_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor failing on the graph (found by breaker helper-75 with a compile that raised
+    inside Inductor on one rank: "internal error ... This is a bug in autosp, not in your model"
+    hid which compiler failed) names the backend compiler and the way around it."""
+    from torch._inductor.exc import InductorError
+
+    def inductor_fails(*args: Any, **kwargs: Any) -> Any:
+        raise InductorError(RuntimeError("C++ compile failed"), None)
+
+    monkeypatch.setattr(BACKEND_MODULE, "compile_graph", inductor_fails)
+    wrapped, ids = _wrapped_llama()
+    with pytest.raises(autosp.AutospError) as info:
+        wrapped(ids, ids)
+    msg = str(info.value)
+    assert msg.startswith("[autosp:compile] the backend compiler (Inductor) failed: InductorError: "
+                          "RuntimeError: C++ compile failed. Compile with backend='aot_eager' to "
+                          "run without Inductor"), msg
+    assert isinstance(info.value.__cause__, InductorError)
+
+
 def test_internal_error_names_the_node_and_source_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import autosp.bridge
 

@@ -92,6 +92,19 @@ def describe_node(node: Any) -> str:
         return repr(node)
 
 
+def _backend_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is Inductor's own failure (its lowering, code generation or C++/CUDA
+    compiler), not one of autosp's stages."""
+    try:
+        from torch._inductor import exc as inductor_exc
+    except ImportError:
+        return False
+    kinds = tuple(getattr(inductor_exc, name) for name in
+                  ("InductorError", "LoweringException", "CppCompileError", "CUDACompileError")
+                  if isinstance(getattr(inductor_exc, name, None), type))
+    return isinstance(exc, kinds)
+
+
 def internal_error(stage_name: str, exc: BaseException) -> AutospError:
     """The AutospError for an unexpected exception ``exc`` in ``stage_name``."""
     where = getattr(exc, _ATTR, None) or current_node()
@@ -101,6 +114,14 @@ def internal_error(stage_name: str, exc: BaseException) -> AutospError:
         if where[0] != stage_name:
             at += f" (in {where[0]})"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if _backend_failure(exc):
+        return AutospError(
+            f"[autosp:{stage_name}] the backend compiler (Inductor) failed{at}: "
+            f"{type(exc).__name__}: {first}. Compile with backend='aot_eager' to run without "
+            "Inductor; a failure of Inductor's on the graph autosp made is autosp's to fix too: "
+            "please report it to the autosp developers with this message and the chained "
+            "traceback above."
+        )
     return AutospError(
         f"[autosp:{stage_name}] internal error{at}: {type(exc).__name__}: {first}. "
         "This is a bug in autosp, not in your model: please report it to the autosp "
