@@ -491,18 +491,24 @@ def _boom(*args: Any, **kwargs: Any) -> Any:
     raise ValueError("injected failure")
 
 
+def _error_with(monkeypatch: pytest.MonkeyPatch, target: str, replacement: Any) -> autosp.AutospError:
+    """The AutospError of a call of the wrapped Llama with autosp.backend's ``target`` replaced."""
+    monkeypatch.setattr(BACKEND_MODULE, target, replacement)
+    wrapped, ids = _wrapped_llama()
+    with pytest.raises(autosp.AutospError) as info:
+        wrapped(ids, ids)
+    return info.value
+
+
 @pytest.mark.parametrize("target,stage", [("fx_to_core", "bridge"), ("apply_plan", "apply"),
                                           ("compile_graph", "compile")])
 def test_internal_error_names_the_stage_and_keeps_the_cause(monkeypatch: pytest.MonkeyPatch, target: str,
                                                             stage: str) -> None:
-    monkeypatch.setattr(BACKEND_MODULE, target, _boom)
-    wrapped, ids = _wrapped_llama()
-    with pytest.raises(autosp.AutospError) as info:
-        wrapped(ids, ids)
-    msg = str(info.value)
+    error = _error_with(monkeypatch, target, _boom)
+    msg = str(error)
     assert msg.startswith(f"[autosp:{stage}] internal error: ValueError: injected failure. This is a bug in "
                           "autosp, not in your model: please report it"), msg
-    assert isinstance(info.value.__cause__, ValueError) and str(info.value.__cause__) == "injected failure"
+    assert isinstance(error.__cause__, ValueError) and str(error.__cause__) == "injected failure"
 
 
 def test_a_failure_of_inductor_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -514,15 +520,12 @@ def test_a_failure_of_inductor_is_named_as_such(monkeypatch: pytest.MonkeyPatch)
     def inductor_fails(*args: Any, **kwargs: Any) -> Any:
         raise InductorError(RuntimeError("C++ compile failed"), None)
 
-    monkeypatch.setattr(BACKEND_MODULE, "compile_graph", inductor_fails)
-    wrapped, ids = _wrapped_llama()
-    with pytest.raises(autosp.AutospError) as info:
-        wrapped(ids, ids)
-    msg = str(info.value)
+    error = _error_with(monkeypatch, "compile_graph", inductor_fails)
+    msg = str(error)
     assert msg.startswith("[autosp:compile] the backend compiler (Inductor) failed: InductorError: "
                           "RuntimeError: C++ compile failed. Compile with backend='aot_eager' to "
                           "run without Inductor"), msg
-    assert isinstance(info.value.__cause__, InductorError)
+    assert isinstance(error.__cause__, InductorError)
 
 
 def test_internal_error_names_the_node_and_source_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -535,15 +538,12 @@ def test_internal_error_names_the_node_and_source_line(monkeypatch: pytest.Monke
                     raise KeyError("no rule")
         return autosp.bridge.fx_to_core(gm, example_inputs, seq_dim)
 
-    monkeypatch.setattr(BACKEND_MODULE, "fx_to_core", failing_bridge)
-    wrapped, ids = _wrapped_llama()
-    with pytest.raises(autosp.AutospError) as info:
-        wrapped(ids, ids)
-    msg = str(info.value)
+    error = _error_with(monkeypatch, "fx_to_core", failing_bridge)
+    msg = str(error)
     assert msg.startswith("[autosp:bridge] internal error while processing node 'out' "
                           "(call_function torch._C._nn.scaled_dot_product_attention) at llama.py:"), msg
     assert "out = F.scaled_dot_product_attention(: KeyError: 'no rule'. This is a bug in autosp" in msg, msg
-    assert isinstance(info.value.__cause__, KeyError)
+    assert isinstance(error.__cause__, KeyError)
 
 
 # --------------------------------------------------------------------------------------

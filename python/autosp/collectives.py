@@ -247,7 +247,11 @@ class _GatherStack(torch.autograd.Function):
     replicated (``sum_grads=False``: a max over the sequence), every rank already holds the
     whole gradient, as in ``all_gather_seq``. When it feeds sharded values (``sum_grads=True``:
     a scan, where rank r's chunk uses the totals of ranks < r), each rank holds one summand
-    of it, and the slots are summed over the group first."""
+    of it, and the slots are summed over the group first.
+
+    A stack's slot is taken with ``select``, here and by its users, never ``stack[rank]``: the
+    rank may be a symbol (autosp.shared_compile), and indexing with one makes PyTorch guard on
+    its value, which ties the compiled graph to this rank (``select`` only checks the range)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: str, rank: int, sum_grads: bool) -> torch.Tensor:
@@ -261,10 +265,6 @@ class _GatherStack(torch.autograd.Function):
             g = _all_reduce(g, group)
         return g.select(0, rank), None, None, None
 
-
-# A stack's slot is taken with ``select``, never ``stack[rank]``: the rank may be a symbol
-# (autosp.shared_compile), and indexing with one makes PyTorch guard on its value, which ties
-# the compiled graph to this rank (``select`` only checks that the rank is in range).
 
 
 def _reduce_stacked(g: torch.Tensor, op: str) -> torch.Tensor:

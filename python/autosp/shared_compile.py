@@ -11,8 +11,8 @@ locks and compile at once.
 
 The lock cannot hang the job: autosp runs no collective while it is held, no rank waits when
 one of PyTorch's options has the compile itself run collectives (:func:`compile_collectives`),
-and the operating system releases the lock when its holder dies. A rank whose graph differs in some way the key does not see
-only compiles after the holder, as it would have compiled anyway.
+and the operating system releases the lock when its holder dies. A rank whose graph differs in
+some way the key does not see only compiles after the holder, as it would have compiled anyway.
 """
 
 from __future__ import annotations
@@ -49,27 +49,22 @@ def rank_symbol(shape_env: Any, rank: int) -> Any:
     return shape_env.create_symintnode(sym, hint=rank, source=source)
 
 
-def rank_guards(shape_env: Any, rank: Any) -> list:
-    """The guards a compile put on the rank symbol ``rank`` (sympy expressions in it): a
-    compile serves another rank only where each holds with that rank substituted
-    (:func:`serves`). Every compile bounds the rank by its chunk's offset (``8*rank <= 24``
-    for a part of 8 in 32); where an offset makes the last rank's part differ, the last rank's
-    compile guards ``Eq(rank, world - 1)`` and the others' ``Ne(rank, world - 1)``."""
-    sym = _symbol(rank)
-    return [g.expr for g in shape_env.guards if sym in g.expr.free_symbols]
+def rank_guards(shape_env: Any, rank: Any) -> tuple[Any, list]:
+    """The rank symbol of the SymInt ``rank`` and the guards a compile put on it (sympy
+    expressions in it): a compile serves another rank only where each holds with that rank
+    substituted (:func:`serves`). Every compile bounds the rank by its chunk's offset
+    (``8*rank <= 24`` for a part of 8 in 32); where an offset makes the last rank's part differ,
+    the last rank's compile guards ``Eq(rank, world - 1)`` and the others' ``Ne(rank, world - 1)``.
+    (``rank.node.expr`` is the rank's value once a guard has made it equal to one, as
+    ``rank == world - 1`` does on the last rank: the symbol is the one created.)"""
+    sym = getattr(rank.node, "_expr", rank.node.expr)
+    return sym, [g.expr for g in shape_env.guards if sym in g.expr.free_symbols]
 
 
-def _symbol(rank: Any) -> Any:
-    """The rank's sympy symbol as created (``node.expr`` is its value once a guard has made
-    it equal to one, as ``rank == world - 1`` does on the last rank)."""
-    return getattr(rank.node, "_expr", rank.node.expr)
-
-
-def serves(guards: list, rank: Any, other: int) -> bool:
-    """Whether a compile with these :func:`rank_guards` on the symbol ``rank`` is valid for
-    the rank ``other`` (what PyTorch's caches check before they hand it over)."""
-    sym = _symbol(rank)
-    return all(bool(g.subs(sym, other)) for g in guards)
+def serves(guards: list, symbol: Any, other: int) -> bool:
+    """Whether a compile with these :func:`rank_guards` on ``symbol`` is valid for the rank
+    ``other`` (what PyTorch's caches check before they hand it over)."""
+    return all(bool(g.subs(symbol, other)) for g in guards)
 
 
 # PyTorch's options under which a compile itself runs collectives over the ranks: aligning

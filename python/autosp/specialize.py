@@ -91,7 +91,7 @@ class PerShapeCompiled:
         self._compiled: dict[tuple, Callable] = {}
         self.shapes: list[tuple] = []
         self.seconds: list[float] = []
-        # Per compile, with a rank: the rank symbol and the guards it put on it
+        # Per compile, with a rank: the rank's sympy symbol and the guards it put on it
         # (shared_compile.rank_guards; what decides which ranks the compile serves).
         self.rank_guards: list[tuple[Any, list]] = []
 
@@ -148,8 +148,7 @@ class PerShapeCompiled:
                                   "report this") from None
             return self._compile_static(args, again.template, attempts + 1)
         if self._rank is not None:
-            self.rank_guards.append(
-                (inputs[-1], shared_compile.rank_guards(fake_mode.shape_env, inputs[-1])))
+            self.rank_guards.append(shared_compile.rank_guards(fake_mode.shape_env, inputs[-1]))
         if len(keep) == len(args):
             return fn
         return lambda *a: fn(*[a[i] for i in keep])
