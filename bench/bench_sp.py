@@ -89,6 +89,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--first-call-only", action="store_true",
                         help="time the first call only (compile + forward + backward) and print "
                              "it as 'first call s <model>: <seconds>' (bench/first_call_sp.py)")
+    parser.add_argument("--compile-times", action="store_true",
+                        help="after the first call, each rank prints its own first-call seconds "
+                             "and PyTorch's per-stage compile times "
+                             "(torch._dynamo.utils.compile_times) to stderr")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = set(args.models) - {"autosp", "handwritten"}
@@ -186,7 +190,13 @@ def run(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             loss = iteration(name)
             if i == 0:
-                compile_s[name] = max_over_ranks(time.perf_counter() - start)
+                mine = time.perf_counter() - start
+                if args.compile_times:
+                    from torch._dynamo.utils import compile_times
+
+                    sys.stderr.write(f"rank {rank} {name}: first call {mine:.2f} s\n"
+                                     f"{compile_times(repr='str', aggregate=True)}\n")
+                compile_s[name] = max_over_ranks(mine)
                 first_loss[name] = loss.item()
 
     if args.first_call_only:
