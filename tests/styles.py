@@ -976,7 +976,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
              model_seed: int = 1234, batch_seeds: tuple[int, ...] = (11, 12),
              loss_atol: float = 1e-5, grad_rtol: float = 1e-4, mesh=None,
              backend: str = "aot_eager", remat: str = "none", unsupported: str = "gather",
-             regions: bool = False) -> dict:
+             regions: bool = False, dynamic: bool | None = None) -> dict:
     """Builds the model (same weights on every rank), compiles it for SP (aot_eager, no
     remat, unless told otherwise) and runs ``len(batch_seeds)`` steps against the single-device model.
 
@@ -1008,7 +1008,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
             model = build()
         ref_model = __import__("copy").deepcopy(model)
         compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=backend,
-                                  unsupported=unsupported, regions=regions)
+                                  unsupported=unsupported, regions=regions, dynamic=dynamic)
         for step, seed in enumerate(batch_seeds):
             args = inputs(seed, seq_len)
             ref_loss, ref_grads = _ref_loss_and_grads(ref_model, args)
