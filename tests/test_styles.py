@@ -228,6 +228,6 @@ def test_conv_halo_under_inductor(dynamic: bool | None) -> None:
     compiles it shows here."""
     per_rank = run_ranks(2, _inductor_worker, SEQ_LEN[2], ["conv1d-same-dilated"], dynamic,
                          timeout=RANK_TIMEOUT_S)
-    found = [f"rank {rank}: {r['outcome']}: {r['detail']}"
-             for rank, results_ in enumerate(per_rank) for r in results_]
-    assert all(": exact: " in f for f in found), "\n".join(found)
+    found = [(rank, r) for rank, results_ in enumerate(per_rank) for r in results_]
+    assert all(r["outcome"] == styles.EXACT for _, r in found), "\n".join(
+        f"rank {rank}: {r['outcome']}: {r['detail']}" for rank, r in found)
