@@ -250,3 +250,106 @@ def test_a_compile_that_runs_collectives_does_not_hang(tmp_path: Any) -> None:
     per_rank = run_ranks(3, _aligned_case, str(tmp_path / "a"), timeout=600)
     assert _check(per_rank, "nanogpt") == (3, 0)
     assert all(o["waited"] < 1.0 for o in per_rank), [o["waited"] for o in per_rank]
+
+
+def test_a_waiting_rank_stops_waiting_when_the_holders_compile_starts_a_collective(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """Another process holds a graph's lock. This one waits for it until the holder's compile
+    calls a torch.distributed collective (the tripwire writes the graph's ``.join``), then stops
+    waiting and compiles itself, so that it meets that collective; without the mark it would
+    wait for the lock (30 minutes by default). The tripwire is on in the holder only while it
+    compiles, and puts torch.distributed's functions back afterwards."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from autosp import shared_compile
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(shared_compile.ENV, "1")
+    gm = torch.fx.symbolic_trace(torch.nn.GELU())
+    path = tmp_path / "autosp_locks" / f"{shared_compile.graph_key(gm, ('k',))}.lock"
+    path.parent.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, filelock; l = filelock.FileLock(sys.argv[1]); "
+         "l.acquire(); print('held', flush=True); time.sleep(120)", str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        join = path.with_suffix(".join")
+        threading.Timer(2.0, join.touch).start()  # the holder's compile reaches a collective
+        start = time.monotonic()
+        with shared_compile.one_at_a_time(gm, ("k",), share=True):
+            waited = time.monotonic() - start
+            assert dist.all_gather_object is distributed_c10d.all_gather_object  # no tripwire
+        assert 1.5 < waited < 30.0, waited
+        assert shared_compile.LAST_WAIT[0] == pytest.approx(waited, abs=0.5)
+    finally:
+        holder.kill()
+        holder.wait()
+
+    # The holder's side: the first collective of its compile writes the mark, then runs.
+    originals = {n: getattr(dist, n) for n in shared_compile._COLLECTIVES if hasattr(dist, n)}
+    assert "all_gather_object" in originals and "barrier" in originals
+    with shared_compile.one_at_a_time(gm, ("h",), share=True):
+        assert dist.all_gather_object is not originals["all_gather_object"]
+        other = shared_compile.graph_key(gm, ("h",))
+        join = tmp_path / "autosp_locks" / f"{other}.join"
+        assert not join.exists()
+        with pytest.warns(UserWarning, match=r"\[autosp:compile\] this compile runs barrier"), \
+                pytest.raises(Exception):  # no process group here: the call itself still runs
+            dist.barrier()
+        assert join.exists()
+    assert {n: getattr(dist, n) for n in originals} == originals
+    assert all(getattr(distributed_c10d, n) is f for n, f in originals.items())
+    # From then on no rank waits for a compile of that graph: each compiles at once.
+    start = time.monotonic()
+    with shared_compile.one_at_a_time(gm, ("h",), share=True):
+        assert dist.all_gather_object is originals["all_gather_object"]
+    assert time.monotonic() - start < 1.0
+
+
+class _GatherPass:
+    """An Inductor post-grad pass that runs a collective over the ranks, as an option of
+    PyTorch's that autosp.shared_compile does not list would (spmd_check and the aligned
+    runtime estimates call all_gather_object the same way)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        import torch.distributed as dist
+
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, len(graph.nodes))
+
+    def uuid(self) -> str:
+        return "autosp-test-gather-pass"
+
+
+def _unlisted_collective_case(rank: int, world: int, cache_dir: str) -> dict:
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class GatherPass(_GatherPass, CustomGraphPass):
+        pass
+
+    inductor_config.post_grad_custom_pre_pass = GatherPass()
+    out = _case(rank, world, cache_dir, "nanogpt", 12, True)
+    from autosp import shared_compile
+    out["listed"] = shared_compile.compile_collectives()
+    return out
+
+
+@pytest.mark.slow  # about a minute; the default suite checks the waiting rank and the tripwire
+def test_a_compile_running_a_collective_no_option_names_does_not_hang(tmp_path: Any) -> None:
+    """World 3, Inductor with a post-grad pass that calls all_gather_object while it compiles,
+    no option of the list on: rank 0 or 1 takes the lock, its compile trips the wire, the other
+    stops waiting and compiles too, and all three meet in the collective; every rank exact.
+    Without the tripwire the waiting rank never joined and the holder's collective timed out."""
+    per_rank = run_ranks(3, _unlisted_collective_case, str(tmp_path / "u"), timeout=300)
+    assert all(not o["listed"] for o in per_rank)
+    misses, hits = _check(per_rank, "nanogpt")
+    assert (misses, hits) == (3, 0), (misses, hits)
+    assert list((tmp_path / "u" / "autosp_locks").glob("*.join")), "the tripwire left no mark"

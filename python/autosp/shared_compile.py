@@ -10,14 +10,18 @@ the same graph wait, then load what it wrote (a cache hit). Ranks with other gra
 locks and compile at once.
 
 The lock cannot hang the job: autosp runs no collective while it is held, no rank waits when
-one of PyTorch's options has the compile itself run collectives (:func:`compile_collectives`),
-and the operating system releases the lock when its holder dies. A rank whose graph differs in
-some way the key does not see only compiles after the holder, as it would have compiled anyway.
+one of PyTorch's options known to have the compile itself run collectives is on
+(:func:`compile_collectives`), a compile that starts a collective through ``torch.distributed``
+anyway (an option this list does not know) has the waiting ranks compile too and meet it there
+(:func:`_tripwire`), and the operating system releases the lock when its holder dies. A rank
+whose graph differs in some way the key does not see only compiles after the holder, as it
+would have compiled anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import os
@@ -34,6 +38,17 @@ ENV = "AUTOSP_SHARED_COMPILE"
 
 #: Seconds a rank waits for another's compile of its graph before it compiles anyway.
 WAIT_S = 1800.0
+
+#: Seconds between a waiting rank's looks at whether the holder's compile started a collective.
+POLL_S = 0.5
+
+#: torch.distributed's collectives and point-to-point calls. One started by the process that
+#: holds a compile's lock, while it compiles, means the compile itself talks to the other ranks.
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
+                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+                "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv",
+                "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 
 
 def rank_symbol(shape_env: Any, rank: int) -> Any:
@@ -157,13 +172,15 @@ def one_at_a_time(gm: fx.GraphModule, key: tuple, share: bool) -> Iterator[None]
 
     path = Path(cache_dir()) / "autosp_locks" / f"{graph_key(gm, key)}.lock"
     done = path.with_suffix(".done")  # written once a compile of this graph has finished
+    join = path.with_suffix(".join")  # written when a compile of it started a collective
     start = time.perf_counter()
     lock = None
-    if not done.exists():
+    if not done.exists() and not join.exists():
         lock = FileLock(str(path))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            lock.acquire(timeout=WAIT_S)
+            if not _wait(lock, join, WAIT_S):  # the holder's compile runs a collective: meet it
+                lock = None
         except Timeout:
             warnings.warn(f"[autosp:compile] waited {WAIT_S:.0f} s for another process's compile "
                           f"of this graph ({path}); compiling it here as well.", stacklevel=3)
@@ -177,7 +194,8 @@ def one_at_a_time(gm: fx.GraphModule, key: tuple, share: bool) -> Iterator[None]
     patch = ({"force_non_lazy_backward_lowering": True}
              if hasattr(functorch_config, "force_non_lazy_backward_lowering") else {})
     try:
-        with functorch_config.patch(patch):
+        with functorch_config.patch(patch), \
+                (_tripwire(join) if lock is not None else contextlib.nullcontext()):
             yield
         if lock is not None:
             with contextlib.suppress(OSError):
@@ -185,6 +203,59 @@ def one_at_a_time(gm: fx.GraphModule, key: tuple, share: bool) -> Iterator[None]
     finally:
         if lock is not None:
             lock.release()
+
+
+def _wait(lock: Any, join: Path, wait_s: float) -> bool:
+    """Takes ``lock``, looking every :data:`POLL_S` at whether its holder's compile started a
+    collective (``join`` exists). True once held; False for ``join``; raises filelock's Timeout
+    after ``wait_s``."""
+    from filelock import Timeout
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if join.exists():
+            return False
+        try:
+            lock.acquire(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+            return True
+        except Timeout:
+            if time.monotonic() >= deadline:
+                raise
+
+
+@contextlib.contextmanager
+def _tripwire(join: Path) -> Iterator[None]:
+    """While this process compiles holding the lock: the first collective it starts through
+    ``torch.distributed`` (:data:`_COLLECTIVES`, in both ``torch.distributed`` and
+    ``distributed_c10d``, where PyTorch's compile calls them) writes ``join`` before it runs,
+    so that the ranks waiting for this compile stop waiting, compile too and meet it there.
+    :func:`compile_collectives` names the options known to do this, and no rank waits under
+    them; this catches the others (helper-74's hang was one, with a 30-minute wait)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    def tripped(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not join.exists():
+                with contextlib.suppress(OSError):
+                    join.touch()
+                warnings.warn(f"[autosp:compile] this compile runs {fn.__name__} over the ranks "
+                              "(an option of PyTorch's that autosp.shared_compile does not list): "
+                              "the ranks that waited for it compile it too, and it is not shared "
+                              f"from now on ({join}).", stacklevel=2)
+            return fn(*args, **kwargs)
+        return call
+
+    saved = [(module, name, getattr(module, name)) for module in (dist, distributed_c10d)
+             for name in _COLLECTIVES if callable(getattr(module, name, None))]
+    for module, name, fn in saved:
+        setattr(module, name, tripped(fn))
+    try:
+        yield
+    finally:
+        for module, name, fn in reversed(saved):
+            setattr(module, name, fn)
 
 
 #: Seconds the last compile waited for another process's (a test reads it).
