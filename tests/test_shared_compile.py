@@ -259,10 +259,12 @@ def test_a_waiting_rank_stops_waiting_when_the_holders_compile_starts_a_collecti
     waiting and compiles itself, so that it meets that collective; without the mark it would
     wait for the lock (30 minutes by default). The tripwire is on in the holder only while it
     compiles, and puts torch.distributed's functions back afterwards."""
+    import contextlib
     import subprocess
     import sys
     import threading
     import time
+    import warnings
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
@@ -300,6 +302,19 @@ def test_a_waiting_rank_stops_waiting_when_the_holders_compile_starts_a_collecti
         other = shared_compile.graph_key(gm, ("h",))
         join = tmp_path / "autosp_locks" / f"{other}.join"
         assert not join.exists()
+        # Another thread's collective (an asynchronous checkpoint's) is not the compile's.
+        called = []
+
+        def side_barrier() -> None:
+            with contextlib.suppress(Exception), warnings.catch_warnings(record=True) as seen:
+                called.append("barrier")
+                dist.barrier()
+            called.extend(str(w.message) for w in seen)
+
+        side = threading.Thread(target=side_barrier)
+        side.start()
+        side.join()
+        assert called == ["barrier"] and not join.exists(), called
         with pytest.warns(UserWarning, match=r"\[autosp:compile\] this compile runs barrier"), \
                 pytest.raises(Exception):  # no process group here: the call itself still runs
             dist.barrier()

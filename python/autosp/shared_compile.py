@@ -25,6 +25,7 @@ import functools
 import hashlib
 import importlib
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -234,10 +235,12 @@ def _tripwire(join: Path) -> Iterator[None]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    compiling = threading.get_ident()  # another thread's collective (a checkpoint's) is not it
+
     def tripped(fn: Any) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not join.exists():
+            if threading.get_ident() == compiling and not join.exists():
                 with contextlib.suppress(OSError):
                     join.touch()
                 warnings.warn(f"[autosp:compile] this compile runs {fn.__name__} over the ranks "
