@@ -34,7 +34,7 @@ def _attr_signature(value: Any, depth: int = 0) -> Any:
         parts = tuple((repr(k), _attr_signature(v, depth + 1)) for k, v in value.items())
         return parts if any(p[1] is not None for p in parts) else None
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape), value.requires_grad)
+        return tensor_signature(value)
     if isinstance(value, type):
         return None
     if callable(value):  # a function chosen per layer
@@ -50,18 +50,34 @@ def _attr_signature(value: Any, depth: int = 0) -> Any:
     return None
 
 
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """A parameter's, buffer's or tensor attribute's part of a signature: its Python class (a
+    subclass of nn.Parameter can change what an op computes with it, in its __torch_function__
+    or through an isinstance test in the forward, and Dynamo's reuse compares only shape,
+    stride, dtype, device and requires_grad: found by breaker helper-77, one fake-quantised
+    layer ran the first layer's trace), the attributes set on it (by value: the subclass may
+    read them), its dtype, shape and requires_grad."""
+    cls = type(t)
+    fields = tuple(sorted((k, repr(v) if not isinstance(v, torch.Tensor) else
+                           ("tensor", type(v).__qualname__, v.dtype, tuple(v.shape)))
+                          for k, v in vars(t).items()))
+    return ("tensor", cls.__module__, cls.__qualname__, fields, t.dtype, tuple(t.shape),
+            t.requires_grad)
+
+
 def layer_signature(layer: nn.Module, depth: int = 0) -> tuple:
     """What tells two layers of one class apart beyond their weights' values and what torch
     2.13's reuse guards check (numbers, strings, flags): found missed, a submodule's class and a
     hook on it. Per submodule, its path, class, hooks (by identity), training flag, tensor and
-    function attributes; per parameter and buffer, its shape, dtype and requires_grad."""
+    function attributes; per parameter and buffer, its class, attributes, shape, dtype and
+    requires_grad (:func:`tensor_signature`)."""
     out = []
     for rel, m in layer.named_modules():
         hooks = tuple(tuple(id(h) for h in getattr(m, name, {}).values()) for name in _HOOKS)
         attrs = tuple(sorted((k, a) for k, v in vars(m).items()
                              if k not in _MODULE_STATE
                              and (a := _attr_signature(v, depth)) is not None))
-        tensors = tuple((k, t.dtype, tuple(t.shape), t.requires_grad)
+        tensors = tuple((k, tensor_signature(t))
                         for k, t in list(m._parameters.items()) + list(m._buffers.items())
                         if t is not None)
         out.append((rel, type(m).__qualname__, type(m).__module__, m.training, hooks, attrs,
