@@ -161,7 +161,12 @@ def test_layers_that_differ_where_dynamos_guards_do_not_look_are_not_marked_toge
 @pytest.mark.parametrize("reference, marked", [
     ("none", True),
     ("shared_registered", True),  # one module registered in every layer: same object each
+    ("shared_plain_embed", True),  # one plain list, in every layer, of a module outside them
     ("plain_embed", True),  # a plain reference to a module outside the layers, not a holder
+    # A list of its own per layer holding a number: not a back reference, but data each layer
+    # holds alone (a change to it after the compile would go unseen by Dynamo's reuse): not
+    # marked either (dynamo_regions.held_alone).
+    ("plain_numbers", False),
     ("plain_root", False),  # self._root = [model]
     ("plain_first", False),  # self._first = [layers[0]]
     ("plain_part_of_first", False),  # self._peer = {"mlp": layers[0].mlp}
@@ -177,11 +182,16 @@ def test_a_layer_reaching_another_layers_state_is_not_marked(reference: str,
     model = _model(3)
     layers = list(model.model.layers) if hasattr(model, "model") else list(model.layers)
     shared = torch.nn.Linear(2, 2)
+    shared_list = [model.lm_head]
     for layer in layers:
         if reference == "shared_registered":
             layer.extra = shared
         elif reference == "plain_embed":
             layer._embed = [model.lm_head]
+        elif reference == "shared_plain_embed":
+            layer._embed = shared_list
+        elif reference == "plain_numbers":
+            layer._window = [4, 4]
         elif reference == "plain_root":
             layer._root = [model]
         elif reference == "plain_first":
@@ -195,7 +205,9 @@ def test_a_layer_reaching_another_layers_state_is_not_marked(reference: str,
     paths = dynamo_regions.mark_layers(model)
     try:
         assert bool(paths) is marked, (reference, paths)
-        if not marked:
+        if not marked and reference == "plain_numbers":
+            assert dynamo_regions.held_alone(layers) == ["_window"] * 3
+        elif not marked:
             where = dynamo_regions.back_reference(model, "layers.1", layers[1],
                                                   dynamo_regions.numbered_layers(model))
             assert where is not None and where.startswith("layers.1"), where

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from autosp.bridge import REGION_SELF, _input_name, dotted_path, module_path
 from autosp.errors import AutospError
-from autosp.layer_alike import back_reference, layer_signature
+from autosp.layer_alike import back_reference, layer_signature, mutable_state
 from autosp.remat_facts import layer_of_path
 
 _MARK = "_autosp_marked_from"
@@ -155,6 +155,11 @@ def mark_layers(model: nn.Module) -> list[str]:
     marked = []
     for cls, by_signature in groups.items():
         largest = max(by_signature.values(), key=len)
+        # A mutable object (a list, a dict, a plain object) that a layer holds alone is not
+        # watched after the compile by Dynamo's reuse: such a layer is traced on its own. One
+        # every layer of the group holds (a shared config) is watched through the first.
+        alone = held_alone([mod for _, mod in largest])
+        largest = [layer for layer, held in zip(largest, alone) if not held]
         if len(largest) < 2:
             continue
         for path, mod in largest:
@@ -164,23 +169,49 @@ def mark_layers(model: nn.Module) -> list[str]:
     return sorted(marked, key=order.__getitem__)
 
 
+def held_alone(layers: list[nn.Module]) -> list[str]:
+    """Per layer of one class, where it holds a mutable object (a list, a dict, a plain object:
+    layer_alike.mutable_state) that not every other layer holds too, or "". Dynamo's reuse keeps
+    no guard on what a later layer reads from such an object, so a change to it after the
+    compile would go unseen; one every layer holds (a shared config) is guarded through the
+    first layer's reads."""
+    states = [mutable_state(mod) for mod in layers]
+    shared = set.intersection(*(set(st) for st in states)) if states else set()
+    return [next((where for i, where in st.items() if i not in shared), "") for st in states]
+
+
 def marked_apart(model: nn.Module) -> str | None:
     """Which marked layer is no longer alike the first marked layer of its class (its
-    ``layer_signature`` changed after ``mark_layers``: a hook, a submodule or a function
-    attribute set on one layer after ``autosp.compile``), or None. Dynamo's reuse guards do not
-    check those, so a trace made now would give that layer the first layer's; the caller traces
-    every layer instead."""
-    first: dict[type, tuple[str, tuple]] = {}
+    ``layer_signature`` changed after ``mark_layers``: a hook, a submodule, a function
+    attribute or a parameter's attribute set on one layer after ``autosp.compile``), or holds a
+    mutable object alone (:func:`held_alone`: set after ``autosp.compile``), or None. Dynamo's
+    reuse guards do not check those, so a trace made now would give that layer the first
+    layer's; the caller traces every layer instead."""
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for path, mod in numbered_layers(model):
-        if _MARK not in vars(type(mod)):
-            continue
-        signature = layer_signature(mod)
-        seen = first.setdefault(type(mod), (path, signature))
-        if signature != seen[1]:
-            return (f"{path} is no longer alike {seen[0]} (a hook, submodule or function "
-                    "attribute set on one of them after autosp.compile, which Dynamo's reuse "
-                    "guards do not check)")
+        if _MARK in vars(type(mod)):
+            by_class.setdefault(type(mod), []).append((path, mod))
+    for layers in by_class.values():
+        first = layer_signature(layers[0][1])
+        for path, mod in layers[1:]:
+            if layer_signature(mod) != first:
+                return (f"{path} is no longer alike {layers[0][0]} (a hook, submodule, function "
+                        "attribute or parameter attribute set on one of them after "
+                        "autosp.compile, which Dynamo's reuse guards do not check)")
+        for (path, _), where in zip(layers, held_alone([mod for _, mod in layers])):
+            if where:
+                return (f"{path}.{where} is a mutable object (a list, dict or plain object) no "
+                        "other layer holds, which Dynamo's reuse does not watch after the "
+                        "compile")
     return None
+
+
+def marked_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The marked layers' parameters and buffers, whose Python attributes the module compares at
+    every call (layer_alike.tensor_attributes), asking :func:`marked_apart` when they change."""
+    return [t for _, mod in numbered_layers(model) if _MARK in vars(type(mod))
+            for m in mod.modules() for t in (*m._parameters.values(), *m._buffers.values())
+            if t is not None]
 
 
 def unmark_layers(model: nn.Module) -> None:

@@ -85,6 +85,56 @@ def layer_signature(layer: nn.Module, depth: int = 0) -> tuple:
     return tuple(out)
 
 
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+def _mutables(value: Any, depth: int = 0) -> Iterator[Any]:
+    """The mutable plain objects ``value`` is or holds (lists, dicts, sets, objects with a
+    __dict__; not modules, tensors, classes or functions) that hold data themselves: a number,
+    string, flag or tensor, which a forward reads as a value. Three levels deep. (A dict of
+    functions, or a list holding a module, as Hugging Face's attention and the ``[module]``
+    idiom have per layer, holds no data of its own.)"""
+    if depth > 3 or isinstance(value, (nn.Module, torch.Tensor, type) + _IMMUTABLE) \
+            or callable(value):
+        return
+    if isinstance(value, (tuple, frozenset)):
+        for v in value:
+            yield from _mutables(v, depth + 1)
+        return
+    fields = getattr(value, "__dict__", None)
+    if not isinstance(value, (list, dict, set)) and not isinstance(fields, dict):
+        return
+    held = list(value.values() if isinstance(value, dict) else
+                value if isinstance(value, (list, set)) else fields.values())
+    if any(isinstance(v, (torch.Tensor,) + _IMMUTABLE) for v in held):
+        yield value
+    for v in held:
+        yield from _mutables(v, depth + 1)
+
+
+def mutable_state(layer: nn.Module) -> dict[int, str]:
+    """The mutable plain objects a layer's modules hold in their attributes, by identity, with
+    where (``mlp.cfg``). One a layer holds alone can change after a compile without Dynamo
+    noticing, where Dynamo traced the layer once: the reuse keeps no guard on the later
+    layers' reads (found by breaker helper-78: ``layers[1].cfg.scale = 2.0`` after the first
+    call, and layer 1 kept the old value)."""
+    out: dict[int, str] = {}
+    for rel, m in layer.named_modules():
+        for k, v in vars(m).items():
+            if k not in _MODULE_STATE:
+                for obj in _mutables(v):
+                    out.setdefault(id(obj), f"{rel}.{k}" if rel else k)
+    return out
+
+
+def tensor_attributes(tensors: list[torch.Tensor]) -> tuple:
+    """What was set on each tensor as a Python attribute (a number or string by value, any other
+    object by identity): a parameter's attribute changed on one layer after a compile is not
+    seen by the trace Dynamo reuses for it (breaker helper-78)."""
+    return tuple(tuple((k, v if isinstance(v, _IMMUTABLE) else id(v))
+                       for k, v in t.__dict__.items()) for t in tensors)
+
+
 def _plain_modules(value: Any, depth: int = 0) -> Iterator[nn.Module]:
     """The modules a plain attribute holds (itself, or in lists, tuples, dicts and plain
     objects, three levels deep)."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autosp import dynamo_regions, dynamo_reuse, guard, shard
+from autosp import dynamo_regions, dynamo_reuse, guard, layer_alike, shard
 from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 from autosp.model_state import ModelState, dispatch_mode_error, top_level_hooks
@@ -132,6 +132,7 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         self._holders = dynamo_reuse.shared_modules(model, self.traced_once)
         if self.traced_once:
             sp_backend.layers_apart = functools.partial(dynamo_regions.marked_apart, model)
+        self._watched: tuple[list, tuple] | None = None  # the marked layers' tensors, attributes
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
         self.remat_choice: Any = None  # what remat="auto" chose (autosp.remat_auto.AutoChoice)
         # The parameters (which require gradients, their dtypes) and hooks, compared across the
@@ -254,10 +255,11 @@ class SequenceParallelModule(CompileRecords, nn.Module):
             raise dispatch_mode_error()
         if changed:
             self.model_state.warn_new_global_hooks()
-            if self.traced_once and (why := dynamo_regions.marked_apart(self.module)):
-                # A layer traced once no longer alike the first (a hook registered on one of its
-                # submodules since the last call): Dynamo's reuse guards do not check it.
-                return self._trace_every_layer(why, args, kwargs)
+        if self.traced_once and (why := self._marked_apart(changed)):
+            # A layer traced once no longer alike the first (a hook registered on one of its
+            # submodules, an attribute set on one of its parameters, since the last call):
+            # Dynamo's reuse guards do not check it.
+            return self._trace_every_layer(why, args, kwargs)
         seq, prepared = self._prepare(args, kwargs)
         self._at_length(seq)
         self._signatures.setdefault(prepared, None)
@@ -346,6 +348,18 @@ class SequenceParallelModule(CompileRecords, nn.Module):
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 return self._trace_every_layer(f"{type(e).__name__}: {first}", args, kwargs)
             raise
+
+    def _marked_apart(self, changed: bool) -> str | None:
+        """dynamo_regions.marked_apart, asked where the model's modules, parameters or hooks
+        changed, or an attribute set on a marked layer's parameter or buffer did (compared at
+        every call: 288 tensors' attributes at 32 layers)."""
+        tensors = (self._watched[0] if self._watched is not None and not changed
+                   else dynamo_regions.marked_tensors(self.module))
+        attrs = layer_alike.tensor_attributes(tensors)
+        if self._watched is not None and not changed and attrs == self._watched[1]:
+            return None
+        self._watched = (tensors, attrs)
+        return dynamo_regions.marked_apart(self.module)
 
     def _trace_every_layer(self, why: str, args: tuple, kwargs: dict) -> Any:
         """Dynamo could not trace the marked layers once per class (autosp.dynamo_regions):

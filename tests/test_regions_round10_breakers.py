@@ -1,0 +1,175 @@
+"""Breaker helper-78 (round 10): ``regions=True`` with state changed on one layer after the
+first compiled call. torch 2.13 CPU, Gloo, world 2, aot_eager and Inductor; loss and every
+parameter gradient against one device at each of two steps, the change made on the compiled
+model and the reference alike between them. Model: embedding, 3 decoder layers (attention and
+a GELU MLP, hidden 32), head; B=2, S=32.
+
+FOUND (silent, all three): a change on a layer other than the first that leaves the layer's
+own module attributes alone was not seen. The layer kept running the trace made before it,
+because Dynamo's reuse keeps no guard on what the stamped-out layers read (plain
+``nested_compile_region`` does the same; the first layer's reads are guarded):
+
+- ``layers[1].up.weight.bits = 4`` (an attribute on a parameter, read with ``getattr``):
+  loss 4.4226909 against 4.5014057, worst gradient 0.58 (aot_eager); Inductor the same kind;
+- ``layers[1].cfg.scale = 2.0`` (a field of a per-layer plain object): the same numbers;
+- ``layers[1].fl[0] = 2.0`` (an item of a per-layer list): loss 4.2553439 against 4.2786589,
+  worst 0.61.
+
+``regions=False`` was exact on all three. FIXED: at every call the module compares the
+attributes set on the marked layers' parameters and buffers (90 us at 32 layers) and, where
+they changed, asks dynamo_regions.marked_apart, whose layer signature holds them; a layer that
+holds a mutable object (a list, dict or plain object) no other layer holds is not marked, and
+one set after autosp.compile makes the first compile trace every layer
+(dynamo_regions.held_alone). Each case then runs exact.
+
+HELD (exact, regions=True): dropout then eval then train; S 32, 64, 32; two micro-batches per
+optimizer step; a no_grad call then training; requires_grad of layer 1 toggled after the first
+call; a parameter replaced by a subclass after the first call, or its __class__ set; set before
+compile: an attribute on one layer's weight, a tensor-subclass buffer or plain attribute;
+per-layer tensors or floats in a plain object, list or dict; default-argument lambdas,
+functools.partial and bound methods per layer; a module attribute (``layers[1].mult``) or a
+new lambda changed after the first call.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distributed import make_batch, relative_grad_errors, run_ranks
+
+VOCAB, H, HEADS = 64, 32, 4
+CASES = ("bits", "cfg", "list")
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.qkv = nn.Linear(H, 3 * H, bias=False)
+        self.o = nn.Linear(H, H)
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, s, 3, HEADS, H // HEADS).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, H))
+        u = self.up(self.n2(x))
+        if getattr(self.up.weight, "bits", 8) == 4:
+            u = u * 2.0
+        if hasattr(self, "cfg"):
+            u = u * self.cfg.scale
+        if hasattr(self, "fl"):
+            u = u * self.fl[0]
+        return x + self.down(F.gelu(u))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, H)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.head = nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _change(case: str, model: Model, step: int) -> None:
+    layers = model.layers
+    if case == "cfg" and step == 0:  # after autosp.compile, before the first call
+        for layer in layers:
+            layer.cfg = types.SimpleNamespace(scale=1.0)
+    if case == "list" and step == 0:
+        for layer in layers:
+            layer.fl = [1.0]
+    if step == 1:
+        if case == "bits":
+            layers[1].up.weight.bits = 4
+        elif case == "cfg":
+            layers[1].cfg.scale = 2.0
+        elif case == "list":
+            layers[1].fl[0] = 2.0
+
+
+def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
+    import autosp
+
+    mesh = autosp.init_mesh(world)
+    out: dict[str, Any] = {}
+    for case in CASES:
+        torch.manual_seed(0)
+        model = Model()
+        ref = copy.deepcopy(model)
+        compiled = autosp.compile(model, mesh, backend="aot_eager", regions=regions)
+        steps = []
+        for step in range(2):
+            _change(case, model, step)
+            _change(case, ref, step)
+            ids, labels = make_batch(VOCAB, 2, 32, seed=step + 1)
+            for m in (model, ref):
+                m.zero_grad()
+            ref_loss = ref(ids, labels)
+            ref_loss.backward()
+            loss = compiled(ids, labels)
+            loss.backward()
+            steps.append((loss.item(), ref_loss.item(), relative_grad_errors(
+                {n: p.grad for n, p in model.named_parameters()},
+                {n: p.grad for n, p in ref.named_parameters()})))
+        out[case] = steps
+    return out
+
+
+def _check_exact(per_rank: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(per_rank):
+        for case, steps in out.items():
+            for step, (loss, ref, errors) in enumerate(steps):
+                where = (rank, case, f"step {step}")
+                assert abs(loss - ref) <= 1e-5 * abs(ref), (*where, loss, ref)
+                worst = max(errors, key=errors.get)
+                assert errors[worst] <= 1e-4, (*where, worst, errors[worst])
+
+
+@pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
+def test_state_changed_on_one_layer_after_the_first_call_is_seen_with_regions() -> None:
+    _check_exact(run_ranks(2, _worker, True))
+
+
+@pytest.mark.slow
+def test_guard_state_changed_on_one_layer_is_exact_without_regions() -> None:
+    _check_exact(run_ranks(2, _worker, False))
+
+
+def test_a_mutable_object_one_layer_holds_alone_keeps_the_layers_unmarked() -> None:
+    """Per-layer lists or plain objects: no layer is marked (held_alone names them); one list
+    every layer holds: all are; set after marking: marked_apart says which and why."""
+    from autosp import dynamo_regions
+
+    model = Model()
+    for layer in model.layers:
+        layer.fl = [1.0]
+    assert dynamo_regions.mark_layers(model) == []
+    assert dynamo_regions.held_alone(list(model.layers)) == ["fl"] * 3
+    shared = [1.0]
+    for layer in model.layers:
+        layer.fl = shared
+    assert dynamo_regions.mark_layers(model) == ["layers.0", "layers.1", "layers.2"]
+    assert dynamo_regions.marked_apart(model) is None
+    model.layers[2].cfg = types.SimpleNamespace(scale=1.0)
+    why = dynamo_regions.marked_apart(model)
+    assert why is not None and why.startswith("layers.2.cfg is a mutable object"), why
+    del model.layers[2].cfg
+    model.layers[1].up.weight.bits = 4
+    why = dynamo_regions.marked_apart(model)
+    assert why is not None and "layers.1 is no longer alike layers.0" in why, why
+    dynamo_regions.unmark_layers(model)
