@@ -40,9 +40,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import decoder_layer
+from decoder_layer import VOCAB
 from distributed import make_batch, relative_grad_errors, run_ranks
 
-VOCAB, H, HEADS = 64, 32, 4
 
 
 class Tagged(nn.Parameter):
@@ -62,39 +63,16 @@ class FakeQuant(nn.Parameter):
             return func(*args, **kwargs)
 
 
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n1, self.n2 = nn.LayerNorm(H), nn.LayerNorm(H)
-        self.qkv = nn.Linear(H, 3 * H, bias=False)
-        self.o = nn.Linear(H, H)
-        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.n1(x)).view(b, s, 3, HEADS, H // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, H))
-        u = self.up(self.n2(x))
-        if isinstance(self.up.weight, Tagged):
-            u = u * 2.0
-        return x + self.down(F.gelu(u))
+class TaggedLayer(decoder_layer.Layer):
+    def scale(self, u: torch.Tensor) -> torch.Tensor:
+        return u * 2.0 if isinstance(self.up.weight, Tagged) else u
 
 
-class Model(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, H)
-        self.layers = nn.ModuleList(Layer() for _ in range(3))
-        self.head = nn.Linear(H, VOCAB, bias=False)
-        up = self.layers[1].up  # only this layer's weight is of the subclass
-        up.weight = {"tagged": Tagged, "fakequant": FakeQuant}[kind](up.weight.detach().clone())
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+def _model(kind: str) -> decoder_layer.Model:
+    model = decoder_layer.Model(TaggedLayer)
+    up = model.layers[1].up  # only this layer's weight is of the subclass
+    up.weight = {"tagged": Tagged, "fakequant": FakeQuant}[kind](up.weight.detach().clone())
+    return model
 
 
 def _subclass_worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
@@ -104,7 +82,7 @@ def _subclass_worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
     mesh = autosp.init_mesh(world)
     for kind in ("tagged", "fakequant"):
         torch.manual_seed(0)
-        model = Model(kind)
+        model = _model(kind)
         ref = copy.deepcopy(model)
         compiled = autosp.compile(model, mesh, backend="aot_eager", regions=regions)
         ids, labels = make_batch(VOCAB, 2, 32, seed=1)
