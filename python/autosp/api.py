@@ -14,8 +14,8 @@ from autosp.backend import BACKENDS, SequenceParallelBackend
 from autosp.errors import AutospError
 from autosp.remat import AUTO, Auto
 from autosp.remat import POLICIES as REMAT_POLICIES
-from autosp.sp_module import (SequenceParallelModule, _check_seq_dim, _dead_group_error,
-                              _group_alive, _is_int)
+from autosp.call_errors import dead_group, group_alive
+from autosp.sp_module import SequenceParallelModule, _check_seq_dim, _is_int
 
 OUTPUTS = ("full", "local")
 UNSUPPORTED = ("gather", "error")
@@ -74,15 +74,15 @@ def _check_mesh(mesh: Any) -> None:
 def _sp_axis(mesh: DeviceMesh) -> tuple[int, int, str]:
     _check_mesh(mesh)
     names = mesh.mesh_dim_names or ()
-    if not _group_alive(None):
-        raise _dead_group_error("compile", None)
+    if not group_alive(None):
+        raise dead_group("compile", None)
     try:
         group = mesh.get_group("sp")
         name = group.group_name
     except (RuntimeError, ValueError, KeyError) as e:
-        raise _dead_group_error("compile", None) from e
-    if not _group_alive(name):
-        raise _dead_group_error("compile", name)
+        raise dead_group("compile", None) from e
+    if not group_alive(name):
+        raise dead_group("compile", name)
     return mesh.get_local_rank("sp"), mesh.size(names.index("sp")), name
 
 

@@ -15,11 +15,10 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autosp import dynamo_regions, dynamo_reuse, guard, layer_alike, shard
+from autosp import call_errors, dynamo_regions, dynamo_reuse, guard, layer_alike, shard
 from autosp.backend import CompileRefused, SequenceParallelBackend
 from autosp.errors import AutospError, internal_error
 from autosp.model_state import ModelState, dispatch_mode_error, top_level_hooks
@@ -37,29 +36,6 @@ def _check_seq_dim(seq_dim: Any) -> None:
             "dim in the batch-first inputs (dim 0 is the batch; negative indices are ambiguous across "
             "inputs of different rank): seq_dim=1 (the default) for [B, S] token ids."
         )
-
-
-def _group_alive(group_name: str | None) -> bool:
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    resolve = getattr(torch.distributed.distributed_c10d, "_resolve_process_group", None)
-    if group_name is None or resolve is None:
-        return True
-    try:
-        resolve(group_name)
-    except (RuntimeError, ValueError, KeyError):
-        return False
-    return True
-
-
-def _dead_group_error(where: str, group_name: str | None) -> AutospError:
-    return AutospError(
-        f"[autosp:{where}] found the SP process group{f' {group_name!r}' if group_name else ''} gone "
-        "(torch.distributed not initialised, or the group destroyed); expected the process group "
-        "autosp.init_mesh was built on to stay alive while the model is compiled and called: call "
-        "dist.destroy_process_group() only after the last step, and after a new "
-        "dist.init_process_group(...) build a new mesh and compile again."
-    )
 
 
 def _logging_functions() -> set:
@@ -244,8 +220,8 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         return result
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.sp_group is not None and not _group_alive(self.sp_backend.ctx.group):
-            raise _dead_group_error("forward", self.sp_backend.ctx.group)
+        if self.sp_group is not None and not call_errors.group_alive(self.sp_backend.ctx.group):
+            raise call_errors.dead_group("forward", self.sp_backend.ctx.group)
         leaves = guard.flatten_inputs(args, kwargs, self.names)
         sig = guard.signature(leaves)
         state, changed = self.model_state.state()
@@ -305,14 +281,7 @@ class SequenceParallelModule(CompileRecords, nn.Module):
                 return self._trace_every_layer(str(inner), args, kwargs)
             if isinstance(inner, AutospError):
                 if (hooks := top_level_hooks(self.module)) and "symbolic sequence length" in str(inner):
-                    raise AutospError(
-                        "[autosp:capture] found a hook on the compiled model itself "
-                        f"({hooks}): torch.compile runs the hooks of the module it compiles as "
-                        "frames of their own, outside the model's graph, and autosp found no "
-                        "sequence to split in one of them (" + str(inner).split(";")[0] + "); "
-                        "expected hooks on the model's submodules: register it on a submodule "
-                        "(the final norm, the head), or apply it to the output after the call."
-                    ) from inner
+                    raise call_errors.hook_on_model(hooks, inner) from inner
                 raise inner.with_traceback(None) from inner.__cause__
             raise internal_error("compile", inner) from inner
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
@@ -327,18 +296,7 @@ class SequenceParallelModule(CompileRecords, nn.Module):
                 # capture it, once, and compile again.
                 self._capture_data_dependent = True
                 return self.forward(*args, **kwargs)
-            hint = ""
-            if "data-dependent" in text:
-                hint = (" The model's control flow or shapes depend on tensor values (e.g. looping "
-                        "over the experts a batch hits, or torch.where(mask) in MoE routing); write it "
-                        "with shapes that do not depend on data (for Hugging Face MoE models, "
-                        "experts_implementation=\"batched_mm\" in the config or from_config).")
-            raise AutospError(
-                "[autosp:capture] found a graph break (Dynamo could not capture the model in one "
-                f"graph): {text.splitlines()[0] if text else type(e).__name__}; expected a model that "
-                f"torch.compile(fullgraph=True) captures whole.{hint} The full Dynamo message "
-                "follows.\n" + text
-            ) from None
+            raise call_errors.graph_break(text, type(e).__name__) from None
         except (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode) as e:
             if self.traced_once:
                 # Dynamo failed on the layers traced once, e.g. a region traced with layer 0's
@@ -374,40 +332,10 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         return self.forward(*args, **kwargs)
 
     def _recompile_error(self, leaves: list) -> AutospError:
-        limit = getattr(torch._dynamo.config, "recompile_limit", None)
         call = ", ".join(f"{leaf.name} {guard.describe_tensor(leaf.value.shape, leaf.value.dtype)}"
                          for leaf in leaves if isinstance(leaf.value, torch.Tensor))
-        seen = len(self._signatures)
-        if limit is not None and seen <= limit and _COMPILES_OF_CODE[self._code] > 1:
-            # Dynamo counts the graphs of a code object, not of a module: other instances of the
-            # class (or earlier autosp.compile calls on them) used up the limit.
-            cls = type(self.module).__qualname__
-            return AutospError(
-                f"[autosp:recompile] found Dynamo's recompile limit reached for {cls}.forward "
-                f"(this call: {call}, training={self.module.training}; "
-                f"{_COMPILES_OF_CODE[self._code]} autosp.compile calls of it in this process), "
-                "although this module has "
-                f"been called with only {seen} distinct batch shapes, dtypes and train modes: "
-                "Dynamo counts the graphs of every module whose forward is this code in the "
-                f"process (other instances of {cls}, or earlier autosp.compile calls on them), "
-                f"and stops at torch._dynamo.config.recompile_limit = {limit}. Expected at most "
-                f"{limit} compiles of one forward per process: call torch._dynamo.reset() before "
-                "compiling a new instance (it drops every compiled graph of the process), or raise "
-                "torch._dynamo.config.recompile_limit.")
-        return AutospError(
-            "[autosp:recompile] found one input signature too many for the model's forward (this "
-            f"call: {call}, training={self.module.training}; this module has been called with "
-            f"{len(self._signatures)} distinct batch shapes, dtypes and train modes): Dynamo compiles "
-            "one graph per batch size, dtype, non-tensor argument value and train/eval mode (for a "
-            "model that reads self.training; a new sequence length does not recompile), and per change "
-            "of anything else its guards hold, such as which parameters require gradients, "
-            "autocast, the inputs' strides or the module hooks (a hook replaced, or one whose "
-            "captured values change, at every step compiles at every step), and stops at "
-            f"torch._dynamo.config.recompile_limit = {limit} per function. Expected at most {limit}: "
-            "pad the batch to a few fixed sizes (padding rows whose labels are all -100 add nothing "
-            "to a cross-entropy with ignore_index=-100), or raise torch._dynamo.config.recompile_limit "
-            "(each new signature compiles the model again)."
-        )
+        return call_errors.recompile_limit(type(self.module).__qualname__, call, self.module.training,
+                                           len(self._signatures), _COMPILES_OF_CODE[self._code])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SequenceParallelModule":
         """A deep copy of the model, compiled as this one was (on the same mesh): compiled
