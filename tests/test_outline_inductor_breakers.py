@@ -33,7 +33,7 @@ def test_hf_module_stack_path_names_the_decoder_layer() -> None:
     ``['0: not outlined: no other layer is alike']``, exact but silently flat), and every
     per-layer decision keyed by _layer_of (remat facts, offload of layer outputs) sees one
     layer."""
-    from autosp.bridge import dotted_path
+    from autosp.fx_source import dotted_path
     from autosp.remat_facts import layer_of_path
 
     for path in ("L['args'][0].model.layers.1.mlp", "L['self'].model.layers[1].mlp"):

@@ -45,7 +45,7 @@ HELD (exact both ways, regions=True against regions=False and one device):
   ``torch.set_grad_enabled(i % 2 == 0)`` per layer (every layer inline: "no other layer is
   alike", since the grad key before the first set is None and after it "(True,)" - costs
   outlining, not numbers); ``torch.inference_mode()`` around layer 1 (not seen by
-  outline._contexts - all three layers call autosp_layer_0 - but exact, as the layer's output
+  outline_gather.contexts - all three layers call autosp_layer_0 - but exact, as the layer's output
   carries no gradient either way).
 - ``torch.autocast`` as a decorator on one layer's forward (a subclass), autocast entered
   inside the layer with ``enabled=self.idx == 1`` (every layer then inline: "enters or leaves

@@ -57,7 +57,7 @@ def _collectives_worker(rank: int, world: int, layers: int) -> dict[str, Any]:
     for node in rec.graph_module.graph.nodes:
         if node.op == "call_function" and node.target in names:
             fx_counts[names[node.target]] = fx_counts.get(names[node.target], 0) + 1
-    from autosp.bridge import module_path
+    from autosp.fx_source import module_path
 
     params = [name for name, _ in model.named_parameters()]
     synced = [n for n in rec.graph_module.graph.nodes if n.target is collectives.grad_sync_many]

@@ -84,7 +84,7 @@ def replaced_expr(s: torch.SymInt) -> Any:
 
 
 def node_loc(fxn: fx.Node) -> str:
-    from autosp.bridge import source_loc
+    from autosp.fx_source import source_loc
 
     return str(source_loc(fxn))
 

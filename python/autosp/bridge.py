@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +21,7 @@ import torch.fx as fx
 from autosp import _core
 from autosp.canon import _REDUCTIONS, _example, _flatten_args, _is_tensor_node, _tensor_inputs, canonicalize
 from autosp.errors import AutospError, at_node
+from autosp.fx_source import input_name, module_path, source_loc
 from autosp.ops import is_pointwise
 
 ArgPath = tuple  # ("args", i) | ("args", i, j) | ("kwargs", name) | ("kwargs", name, j)
@@ -128,57 +127,6 @@ def _target_text(node: fx.Node) -> str:
     if mod.startswith("torch"):
         return f"torch.{name}"
     return f"{mod}.{name}" if mod else name
-
-
-_SOURCE_KEY = re.compile(r"""\[['"]?([^'"\]]+)['"]?\]""")
-# The root local, and the index into it when the module came in through ``*args`` (a
-# decorator over ``forward``, as transformers puts on its models: ``L['args'][0].model...``).
-#: What Dynamo puts in a module path inside a nested compile region (autosp.dynamo_regions):
-#: ``L['self'].layers.3.forward.__self__.mlp`` is module ``layers.3.mlp``.
-REGION_SELF = ".forward.__self__"
-_SOURCE_ROOT = re.compile(r"""^[LG]\[['"]?(?:args['"]?\]\[\d+\]|\w+['"]?\])""")
-
-
-def dotted_path(name: str) -> str:
-    """A Dynamo source or module-stack path as a dotted path in the user's module:
-    ``L['self']._modules['layers']._modules['3']._parameters['weight']`` -> ``layers.3.weight``,
-    ``L['self'].layers[3].self_attn`` -> ``layers.3.self_attn``, and
-    ``L['args'][0].model.layers[3]`` -> ``model.layers.3`` (a module passed as ``*args``), and
-    ``L['self'].layers.3.forward.__self__.mlp`` -> ``layers.3.mlp`` (inside a nested compile
-    region, autosp.dynamo_regions)."""
-    name = _SOURCE_ROOT.sub("", name).replace(REGION_SELF, "")
-    name = re.sub(r"\._(modules|parameters|buffers)\b", "", name)
-    name = _SOURCE_KEY.sub(r".\1", name)
-    return ".".join(part for part in name.split(".") if part)
-
-
-def module_path(node: fx.Node) -> str:
-    """The dotted path of a parameter or buffer placeholder in the user's module, from Dynamo's
-    source (see dotted_path); "" when Dynamo recorded no source."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    if source is None:
-        return ""
-    name = source.name
-    return dotted_path(name() if callable(name) else str(name))
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def source_loc(node: fx.Node) -> Any:
-    """The innermost frame of the node's stack trace that is not inside torch itself."""
-    loc = _core.SourceLoc()
-    trace = node.meta.get("stack_trace") or ""
-    frames = [f for f in _FRAME.findall(trace) if not f[0].startswith(_TORCH_DIR)] or _FRAME.findall(trace)
-    if frames:
-        file, line, code = frames[-1]
-        loc.file = file.split("site-packages/")[-1] if "site-packages/" in file else os.path.basename(file)
-        loc.line = int(line)
-        loc.code = code.strip()
-    return loc
 
 
 class _Converter:
@@ -388,21 +336,12 @@ def _unbacked_symbols(node: fx.Node) -> list[str]:
     return sorted(found)
 
 
-def _input_name(n: fx.Node) -> str:
-    """The user's name of a graph input (Dynamo's source, ``L['input_ids']``), else the node's."""
-    try:
-        name = n.meta["grapharg"].source.name
-    except (KeyError, AttributeError):
-        return str(n.target)
-    return str(name() if callable(name) else name)
-
-
 def fx_to_core(gm: fx.GraphModule, example_inputs: list[Any], seq_dim: int = 1) -> BridgeResult:
     """Translate a Dynamo FX graph into the core IR."""
     conv = _Converter(gm, seq_dim, example_inputs)
     result = conv.run()
     if not result.seq_symbols:
-        static = [(_input_name(n), _example(n).shape[seq_dim]) for n in gm.graph.nodes
+        static = [(input_name(n), _example(n).shape[seq_dim]) for n in gm.graph.nodes
                   if n.op == "placeholder" and isinstance(_example(n), torch.Tensor)
                   and _example(n).dim() > seq_dim and not _example(n).is_floating_point()]
         found = (f"found the inputs {', '.join(f'{name} (length {size})' for name, size in static)} "

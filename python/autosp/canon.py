@@ -280,7 +280,7 @@ _REDUCTION_DIM_KEEPDIM = {"norm": (2, 3), "var": (1, 3), "std": (1, 3)}
 
 
 def _refuse_arguments(node: fx.Node, name: str, found: str, expected: str) -> None:
-    from autosp.bridge import source_loc
+    from autosp.fx_source import source_loc
     from autosp.errors import AutospError
 
     raise AutospError(f"[autosp:bridge] op '{name}' at {source_loc(node)}: found {found}; expected "

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autosp.bridge import REGION_SELF, _input_name, dotted_path, module_path
+from autosp.fx_source import REGION_SELF, dotted_path, input_name, module_path
 from autosp.errors import AutospError
 from autosp.layer_alike import back_reference, layer_signature, mutable_state
 from autosp.remat_facts import layer_of_path
@@ -251,7 +251,7 @@ def _is_state(node: Any) -> bool:
     """A placeholder for a parameter or buffer of the model (by Dynamo's source)."""
     if not isinstance(node, fx.Node) or node.op != "placeholder":
         return False
-    name = _input_name(node)
+    name = input_name(node)
     return "._parameters[" in name or "._buffers[" in name
 
 

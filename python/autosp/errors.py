@@ -84,7 +84,7 @@ def describe_node(node: Any) -> str:
         if module and not isinstance(target, str):
             what = f"{module}.{what}"
         text = f"node '{node.name}' ({node.op} {what})"
-        from autosp.bridge import source_loc
+        from autosp.fx_source import source_loc
 
         loc = str(source_loc(node)).strip()
         return f"{text} at {loc}" if loc else text

@@ -7,7 +7,7 @@ and partitions that subgraph once (with autosp's partition function, on the regi
 graph), and Inductor lowers and generates its kernels once, so the compile's work stops growing
 with depth (docs/regional_compile.md).
 
-A layer's nodes are first gathered into one contiguous run (``_gather``). It stays inline, with
+A layer's nodes are first gathered into one contiguous run (``autosp.outline_gather``). It stays inline, with
 the reason recorded, when that would move a node that writes in place or draws random numbers,
 when its nodes are interleaved with another layer's, when an operand is neither a tensor nor a
 symbolic int, when it reads a module attribute, writes in place, or hands on a value that may
@@ -35,9 +35,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autosp.bridge import writes_in_place
-from autosp.canon import target_name
-from autosp.ops import AUTOCAST_SETTERS, GRAD_MODE_SETTERS, is_random, may_alias_call
-from autosp.remat_facts import _layer_of
+from autosp.ops import may_alias_call
+from autosp.outline_gather import contexts, gather, numbered_layers, op_name
 from autosp.remat_policy import MemoryBudget, Offload
 from autosp.remat_regions import ADMIT_KEY, CALLS_KEY, LAYER_KEY
 
@@ -94,22 +93,10 @@ def _reads_inner_size(node: fx.Node, inside: set[fx.Node]) -> bool:
             continue
         if a.target in _SIZE_ARITHMETIC and _reads_inner_size(a, inside):
             return True
-        if _name(a) in ("sym_size", "sym_numel", "size", "numel") and any(
+        if op_name(a) in ("sym_size", "sym_numel", "size", "numel") and any(
                 t in inside for t in a.all_input_nodes):
             return True
     return False
-
-
-def _name(node: fx.Node) -> str:
-    """The name autosp.ops knows a call by: canon's Torch-level name, but an ATen overload's op
-    name (``aten.t.default``: "t") and a ``getattr``'s attribute (Dynamo records ``x.mT`` as
-    ``getattr(x, "mT")``)."""
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._opname
-    if t is getattr and len(node.args) > 1 and isinstance(node.args[1], str):
-        return node.args[1]
-    return target_name(node)
 
 
 def _value(node: fx.Node) -> Any:
@@ -201,8 +188,8 @@ class _Region:
         for o in self.outputs:
             if not isinstance(_value(o), torch.Tensor):
                 return f"its output {o.name} is not a tensor"
-            if may_alias_call(_name(o), o.args, o.kwargs) or o.target is operator.getitem:
-                return f"its output {o.name} ({_name(o)}) may alias a value it reads"
+            if may_alias_call(op_name(o), o.args, o.kwargs) or o.target is operator.getitem:
+                return f"its output {o.name} ({op_name(o)}) may alias a value it reads"
         return ""
 
     def _key(self) -> tuple:
@@ -226,111 +213,25 @@ class _Region:
         return ops, kinds, outs
 
 
-def _movable(node: fx.Node) -> bool:
-    if node.op not in ("call_function", "call_method", "call_module"):
-        return False
-    if writes_in_place(node) or is_random(_name(node)):
-        return False
-    try:
-        return not node.is_impure()
-    except Exception:  # a call_module the purity check cannot resolve
-        return False
-
-
-def _numbered_layers(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    cache: dict[str, str] = {}
-    layers: dict[str, list[fx.Node]] = {}
-    for n in graph.nodes:
-        if n.op in ("call_function", "call_method", "call_module"):
-            layer = _layer_of(n, cache)
-            if layer.rpartition(".")[2].isdigit():
-                layers.setdefault(layer, []).append(n)
-    return layers
-
-
-def _gather(graph: fx.Graph, layer: str, members: list[fx.Node],
-            tag: dict[fx.Node, str]) -> tuple[list[fx.Node], str]:
-    """Makes one layer's nodes a contiguous run, in place. Between its first and last node,
-    what lies on a path between two of its nodes (SP glue without a module), or is read by it
-    alone (an inserted size), joins it; what else it does not depend on moves before it (the
-    rotary table); what depends on it but feeds none of it moves after it. Returns the run, or why there is none."""
-    order = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(order)}
-    span = order[pos[members[0]]: pos[members[-1]] + 1]
-    mset = set(members)
-    down: set[fx.Node] = set()
-    for n in span:
-        if n in mset or any(a in down for a in n.all_input_nodes):
-            down.add(n)
-    up: set[fx.Node] = set()
-    for n in reversed(span):
-        if n in mset or any(u in up for u in n.users):
-            up.add(n)
-    inside = {n for n in span if n in down and n in up}
-    for n in reversed(span):  # what only the layer reads (an inserted size) joins it
-        if n not in down and n.users and all(u in inside for u in n.users) and _movable(n):
-            inside.add(n)
-    run = [n for n in span if n in inside]
-    for n in run:
-        other = tag.get(n, layer)
-        if other != layer:
-            return [], f"its nodes are interleaved with {other}'s ({n.name})"
-    before = [n for n in span if n not in down and n not in inside]
-    after = [n for n in span if n in down and n not in up]
-    if not before and not after:
-        return run, ""
-    stuck = next((n for n in before + after if not _movable(n)), None)
-    if stuck is not None:
-        return [], (f"its nodes are not one contiguous run, and {stuck.name} between them "
-                    "may not move (it writes in place or draws random numbers)")
-    anchor = order[pos[members[-1]] + 1]
-    for n in before + run + after:
-        anchor.prepend(n)
-    return run, ""
-
-
-def _contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
-    """The autocast and grad mode each node runs under, from the graph's context nodes
-    (Dynamo's ``_enter_autocast``/``_exit_autocast``, ``_set_grad_enabled``, and the autocast
-    setters such as ``set_autocast_dtype``: every call so far, so a node after one never shares
-    a mode with a node before it)."""
-    state: dict[fx.Node, tuple] = {}
-    stack: list[tuple] = []
-    grad = None
-    setters: tuple = ()
-    for n in graph.nodes:
-        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-        if name == "_enter_autocast":
-            stack.append(tuple(repr(a) for a in n.args))
-        elif name == "_exit_autocast" and stack:
-            stack.pop()
-        elif name in GRAD_MODE_SETTERS:
-            grad = repr(n.args)
-        elif name in AUTOCAST_SETTERS:
-            setters += ((name, repr(n.args)),)
-        state[n] = (tuple(stack), grad, setters)
-    return state
-
-
 def _regions(gm: fx.GraphModule) -> tuple[list[_Region], list[str]]:
     """The graph's numbered layers as regions, each made one contiguous run of nodes. A
     region's key holds the autocast and grad mode it runs under: a subgraph is traced once, in
     its first call's mode (found: a layer under ``torch.autocast`` called the subgraph of fp32
     layers and ran in fp32; breaker helper-49). One that enters or leaves a mode, or that the
     gathering moved into another, stays inline."""
-    before = _contexts(gm.graph)
-    layers = _numbered_layers(gm.graph)
+    before = contexts(gm.graph)
+    layers = numbered_layers(gm.graph)
     tag = {n: layer for layer, nodes in layers.items() for n in nodes}
     skipped: list[str] = []
     regions = []
     for layer, members in layers.items():
-        run, why = _gather(gm.graph, layer, members, tag)
+        run, why = gather(gm.graph, layer, members, tag)
         if why:
             skipped.append(f"{layer}: not outlined: {why}")
         else:
             regions.append(_Region(layer, run))
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    after = _contexts(gm.graph)
+    after = contexts(gm.graph)
     for r in regions:  # a later layer's moves may not split an earlier run
         if not r.why_not and pos[r.nodes[-1]] - pos[r.nodes[0]] != len(r.nodes) - 1:
             r.why_not, r.key = "its nodes are not one contiguous run", None

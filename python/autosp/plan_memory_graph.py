@@ -146,7 +146,7 @@ def _layer_seed(node: Any) -> int:
     """The layer of a forward node from its module stack, or of a backward node from the
     module stack of the forward op it differentiates (AOTAutograd's fwd_nn_module_stack);
     LAYER_UNKNOWN for ops autosp or AOTAutograd inserted."""
-    from autosp.bridge import dotted_path
+    from autosp.fx_source import dotted_path
 
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:

@@ -137,7 +137,7 @@ def _layer_of(node: fx.Node, cache: dict[str, str] | None = None) -> str:
     path = str(next(reversed(stack.values()))[0])
     layer = cache.get(path) if cache is not None else None
     if layer is None:
-        from autosp.bridge import dotted_path
+        from autosp.fx_source import dotted_path
 
         layer = layer_of_path(dotted_path(path))
         if cache is not None:

@@ -1,0 +1,112 @@
+"""Gathering a decoder layer's nodes for autosp.outline: the graph's numbered layers
+(``layers.3``), each made one contiguous run of nodes in place (``gather``), and the autocast
+and grad mode each node runs under (``contexts``). A node that writes in place or draws random
+numbers is never moved (``movable``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autosp.bridge import writes_in_place
+from autosp.canon import target_name
+from autosp.ops import AUTOCAST_SETTERS, GRAD_MODE_SETTERS, is_random
+from autosp.remat_facts import _layer_of
+
+
+def op_name(node: fx.Node) -> str:
+    """The name autosp.ops knows a call by: canon's Torch-level name, but an ATen overload's op
+    name (``aten.t.default``: "t") and a ``getattr``'s attribute (Dynamo records ``x.mT`` as
+    ``getattr(x, "mT")``)."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._opname
+    if t is getattr and len(node.args) > 1 and isinstance(node.args[1], str):
+        return node.args[1]
+    return target_name(node)
+
+
+def movable(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if writes_in_place(node) or is_random(op_name(node)):
+        return False
+    try:
+        return not node.is_impure()
+    except Exception:  # a call_module the purity check cannot resolve
+        return False
+
+
+def numbered_layers(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    cache: dict[str, str] = {}
+    layers: dict[str, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            layer = _layer_of(n, cache)
+            if layer.rpartition(".")[2].isdigit():
+                layers.setdefault(layer, []).append(n)
+    return layers
+
+
+def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
+            tag: dict[fx.Node, str]) -> tuple[list[fx.Node], str]:
+    """Makes one layer's nodes a contiguous run, in place. Between its first and last node,
+    what lies on a path between two of its nodes (SP glue without a module), or is read by it
+    alone (an inserted size), joins it; what else it does not depend on moves before it (the
+    rotary table); what depends on it but feeds none of it moves after it. Returns the run, or why there is none."""
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    span = order[pos[members[0]]: pos[members[-1]] + 1]
+    mset = set(members)
+    down: set[fx.Node] = set()
+    for n in span:
+        if n in mset or any(a in down for a in n.all_input_nodes):
+            down.add(n)
+    up: set[fx.Node] = set()
+    for n in reversed(span):
+        if n in mset or any(u in up for u in n.users):
+            up.add(n)
+    inside = {n for n in span if n in down and n in up}
+    for n in reversed(span):  # what only the layer reads (an inserted size) joins it
+        if n not in down and n.users and all(u in inside for u in n.users) and movable(n):
+            inside.add(n)
+    run = [n for n in span if n in inside]
+    for n in run:
+        other = tag.get(n, layer)
+        if other != layer:
+            return [], f"its nodes are interleaved with {other}'s ({n.name})"
+    before = [n for n in span if n not in down and n not in inside]
+    after = [n for n in span if n in down and n not in up]
+    if not before and not after:
+        return run, ""
+    stuck = next((n for n in before + after if not movable(n)), None)
+    if stuck is not None:
+        return [], (f"its nodes are not one contiguous run, and {stuck.name} between them "
+                    "may not move (it writes in place or draws random numbers)")
+    anchor = order[pos[members[-1]] + 1]
+    for n in before + run + after:
+        anchor.prepend(n)
+    return run, ""
+
+
+def contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
+    """The autocast and grad mode each node runs under, from the graph's context nodes
+    (Dynamo's ``_enter_autocast``/``_exit_autocast``, ``_set_grad_enabled``, and the autocast
+    setters such as ``set_autocast_dtype``: every call so far, so a node after one never shares
+    a mode with a node before it)."""
+    state: dict[fx.Node, tuple] = {}
+    stack: list[tuple] = []
+    grad = None
+    setters: tuple = ()
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == "_enter_autocast":
+            stack.append(tuple(repr(a) for a in n.args))
+        elif name == "_exit_autocast" and stack:
+            stack.pop()
+        elif name in GRAD_MODE_SETTERS:
+            grad = repr(n.args)
+        elif name in AUTOCAST_SETTERS:
+            setters += ((name, repr(n.args)),)
+        state[n] = (tuple(stack), grad, setters)
+    return state
