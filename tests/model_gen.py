@@ -403,8 +403,9 @@ def make_inputs(spec: ModelSpec, seed: int) -> tuple[torch.Tensor, ...]:
 # Running specs inside ranks.
 
 
-def run_spec(spec: ModelSpec, mesh=None) -> dict:
-    """Classifies one spec (call inside a rank of run_ranks with world_size == spec.world_size)."""
+def run_spec(spec: ModelSpec, mesh=None, regions: bool = False) -> dict:
+    """Classifies one spec (call inside a rank of run_ranks with world_size == spec.world_size),
+    compiled with ``autosp.compile(..., regions=regions)``."""
     import styles
 
     # The single-device model must run at all, or the generator made a bad model.
@@ -418,12 +419,14 @@ def run_spec(spec: ModelSpec, mesh=None) -> dict:
         return {"name": spec.short(), "spec": spec, "outcome": "invalid",
                 "detail": f"{type(exc).__name__}: {exc}"[:2000], "steps": []}
     r = styles.run_case(spec.short(), lambda: build(spec), lambda seed, _s: make_inputs(spec, seed),
-                        spec.world_size, spec.seq_len, batch_seeds=(11, 12), mesh=mesh)
+                        spec.world_size, spec.seq_len, batch_seeds=(11, 12), mesh=mesh,
+                        regions=regions)
     r["spec"] = spec
     return r
 
 
-def run_specs_worker(rank: int, world_size: int, spec_list: list[ModelSpec]) -> list[dict]:
+def run_specs_worker(rank: int, world_size: int, spec_list: list[ModelSpec],
+                     regions: bool = False) -> list[dict]:
     """run_ranks target: every spec in one spawn (one mesh); results in order."""
     import time
     import warnings
@@ -436,7 +439,7 @@ def run_specs_worker(rank: int, world_size: int, spec_list: list[ModelSpec]) -> 
     for spec in spec_list:
         assert spec.world_size == world_size, (spec, world_size)
         t0 = time.time()
-        r = run_spec(spec, mesh)
+        r = run_spec(spec, mesh, regions)
         r["time"] = time.time() - t0
         out.append(r)
     return out

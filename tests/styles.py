@@ -1021,6 +1021,9 @@ def run_case(name: str, build: Callable[[], nn.Module],
             loss.backward()
             result["gathered"] = compiled.gathered
             result["tiled_masks"] = compiled.tiled_masks
+            if regions and compiled.last_compile is not None:  # what regions did, per step
+                result.setdefault("outlined", []).append(list(compiled.last_compile.outlined))
+                result.setdefault("traced_once", []).append(compiled.last_compile.traced_once)
             errs = relative_grad_errors(grads_of(model), ref_grads)
             bad = {k: v for k, v in errs.items() if not v <= grad_rtol}
             loss_diff = abs(loss.item() - ref_loss)

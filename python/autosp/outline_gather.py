@@ -81,8 +81,12 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
         return run, ""
     stuck = next((n for n in before + after if not movable(n)), None)
     if stuck is not None:
+        what = ("a module attribute the graph reads, such as a flex attention score_mod"
+                if stuck.op == "get_attr" else
+                "it writes in place or draws random numbers" if stuck.op.startswith("call_")
+                else stuck.op)
         return [], (f"its nodes are not one contiguous run, and {stuck.name} between them "
-                    "may not move (it writes in place or draws random numbers)")
+                    f"may not move ({what})")
     anchor = order[pos[members[-1]] + 1]
     for n in before + run + after:
         anchor.prepend(n)
