@@ -187,11 +187,7 @@ def marked_apart(model: nn.Module) -> str | None:
     mutable object alone (:func:`held_alone`: set after ``autosp.compile``), or None. Dynamo's
     reuse guards do not check those, so a trace made now would give that layer the first
     layer's; the caller traces every layer instead."""
-    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
-    for path, mod in numbered_layers(model):
-        if _MARK in vars(type(mod)):
-            by_class.setdefault(type(mod), []).append((path, mod))
-    for layers in by_class.values():
+    for layers in marked_groups(model):
         first = layer_signature(layers[0][1])
         for path, mod in layers[1:]:
             if layer_signature(mod) != first:
@@ -204,6 +200,15 @@ def marked_apart(model: nn.Module) -> str | None:
                         "other layer holds, which Dynamo's reuse does not watch after the "
                         "compile")
     return None
+
+
+def marked_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """Per class, its marked layers as ``(path, layer)``, in the model's order."""
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    for path, mod in numbered_layers(model):
+        if _MARK in vars(type(mod)):
+            by_class.setdefault(type(mod), []).append((path, mod))
+    return list(by_class.values())
 
 
 def marked_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -5,6 +5,8 @@ stamp-out would re-root to the wrong layer."""
 
 from __future__ import annotations
 
+import operator
+from itertools import chain
 from typing import Any, Iterator
 
 import torch
@@ -191,3 +193,93 @@ def back_reference(model: nn.Module, path: str, layer: nn.Module,
                     where = f"{path}.{rel}.{name}" if rel else f"{path}.{name}"
                     return f"{where} holds {holders.get(id(held)) or others[id(held)]}"
     return None
+
+
+class PlainWatch:
+    """The plain state of marked layers, compared at every call: each module's class and the
+    values in its ``__dict__`` (numbers, strings and flags such as ``training`` or a norm's
+    ``eps``, by identity first). Dynamo's reuse guards only what the first layer of a class
+    reads, so a value changed after the first call on another layer alone went unseen: that
+    layer kept running the first layer's trace (breaker helper-79: a per-layer flag, a string
+    mode, LayerNorm's eps, LeakyReLU's slope, ``layers[1].eval()``, a submodule's ``__class__``
+    set in place; plain ``nested_compile_region`` alike). A change the first layer of the class
+    made too (``model.eval()``, a flag set on every layer) fails the first layer's guards, and
+    Dynamo traces the model again, comparing every layer; that is left to it.
+
+    ``groups``: per class, its marked layers as ``(path, layer)``, the first first."""
+
+    def __init__(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
+        self._layers = [[(path, list(layer.named_modules())) for path, layer in group]
+                        for group in groups]
+        self._modules = [m for group in self._layers for _, mods in group for _, m in mods]
+        self._dicts = [vars(m) for m in self._modules]
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The keys watched per module (its own attributes and ``training``, not nn.Module's
+        registries and hook dicts, whose changes ModelState sees), and the state now."""
+        self._keys = [("training", "_parameters") + tuple(k for k in d if k not in _MODULE_STATE)
+                      for d in self._dicts]
+        self._getters = [operator.itemgetter(*keys) for keys in self._keys]
+        self._seen = self._state()
+
+    def _state(self) -> tuple | None:
+        """Every module's class, ``__dict__`` size and watched values, in C loops (a Python loop
+        per module took 480 us per call at 32 Hugging Face Llama layers); None where a watched
+        key is gone."""
+        try:
+            values = tuple(chain.from_iterable(map(operator.call, self._getters, self._dicts)))
+        except KeyError:
+            return None
+        return tuple(map(type, self._modules)), tuple(map(len, self._dicts)), values
+
+    def changed_alone(self) -> str | None:
+        """Where a layer's plain state changed since the last call in a way the first layer of
+        its class did not change, or None; either way the state now is the next call's
+        baseline."""
+        now, seen = self._state(), self._seen
+        if now is not None and now[0] == seen[0] and now[1] == seen[1] \
+                and all(map(operator.is_, now[2], seen[2])):
+            return None
+        before = iter(self._before(seen))
+        changes = [[(path, {(rel, k) for rel, m in mods for k in _changed_keys(*next(before), m)})
+                    for path, mods in group] for group in self._layers]
+        self._refresh()
+        for group in changes:
+            first_path, first = group[0]
+            for path, keys in group[1:]:
+                if alone := sorted(keys - first):
+                    rel, key = alone[0]
+                    where = f"{path}.{rel}" if rel else path
+                    return (f"{where}.{key} changed after the first call, and not on "
+                            f"{first_path} alike (Dynamo's reuse guards only the first layer's "
+                            "values)")
+        return None
+
+    def _before(self, seen: tuple) -> Iterator[tuple]:
+        """Per module, its class and watched keys and values as of ``seen``."""
+        at = 0
+        for cls, keys in zip(seen[0], self._keys):
+            yield cls, keys, seen[2][at:at + len(keys)]
+            at += len(keys)
+
+
+def _changed_keys(cls: type, keys: tuple, values: tuple, m: nn.Module) -> Iterator[str]:
+    """The attributes of ``m`` (its own, and ``training``) whose value is not the one in
+    ``values`` (a number, string or flag by value, anything else by identity), or that were
+    set or deleted since; and ``__class__`` where its class changed."""
+    if type(m) is not cls:
+        yield "__class__"
+    old = dict(zip(keys, values))
+    del old["_parameters"]  # watched only to make every getter return a tuple
+    now = {k: v for k, v in vars(m).items() if k not in _MODULE_STATE or k == "training"}
+    for k in sorted(set(old) | set(now)):
+        a, b = old.get(k, _MISSING), now.get(k, _MISSING)
+        if a is b:
+            continue
+        if isinstance(a, _IMMUTABLE) and type(a) is type(b) and a == b:
+            continue
+        yield k
+
+
+_MISSING = object()

@@ -108,7 +108,11 @@ def _operand_kind(node: fx.Node) -> Any:
     if isinstance(v, torch.Tensor):  # a subgraph is traced once, with its first call's shapes
         return ("tensor", v.dtype, tuple(str(d) for d in v.shape), v.requires_grad)
     if isinstance(v, torch.SymInt):
-        return ("symint",)
+        # By its expression in the symbolic sizes: a static compile (autosp.specialize) hands
+        # the subgraph a plain int, and PyTorch traces a subgraph once, with its first call's
+        # ints. Layers handed different sizes (S - 7 * i) shared one subgraph and all ran with
+        # one layer's (breaker helper-80); one with an equal expression has an equal value.
+        return ("symint", str(v.node.expr))
     return None
 
 

@@ -108,7 +108,8 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         self._holders = dynamo_reuse.shared_modules(model, self.traced_once)
         if self.traced_once:
             sp_backend.layers_apart = functools.partial(dynamo_regions.marked_apart, model)
-        self._watched: tuple[list, tuple] | None = None  # the marked layers' tensors, attributes
+        # The marked layers' tensors and their attributes, and their modules' plain state.
+        self._watched: tuple[list, tuple, layer_alike.PlainWatch] | None = None
         self._auto: Any = None  # remat="auto" until the first call (autosp.remat_auto)
         self.remat_choice: Any = None  # what remat="auto" chose (autosp.remat_auto.AutoChoice)
         # The parameters (which require gradients, their dtypes) and hooks, compared across the
@@ -310,13 +311,22 @@ class SequenceParallelModule(CompileRecords, nn.Module):
     def _marked_apart(self, changed: bool) -> str | None:
         """dynamo_regions.marked_apart, asked where the model's modules, parameters or hooks
         changed, or an attribute set on a marked layer's parameter or buffer did (compared at
-        every call: 288 tensors' attributes at 32 layers)."""
-        tensors = (self._watched[0] if self._watched is not None and not changed
-                   else dynamo_regions.marked_tensors(self.module))
+        every call: 288 tensors' attributes at 32 layers); and where a marked layer's plain
+        state changed alone (layer_alike.PlainWatch, also every call)."""
+        if self._watched is None or changed:
+            tensors = dynamo_regions.marked_tensors(self.module)
+            attrs = layer_alike.tensor_attributes(tensors)
+            plain = layer_alike.PlainWatch(dynamo_regions.marked_groups(self.module))
+            why = self._watched[2].changed_alone() if self._watched is not None else None
+            self._watched = (tensors, attrs, plain)
+            return why or dynamo_regions.marked_apart(self.module)
+        tensors, before, plain = self._watched
+        if why := plain.changed_alone():
+            return why
         attrs = layer_alike.tensor_attributes(tensors)
-        if self._watched is not None and not changed and attrs == self._watched[1]:
+        if attrs == before:
             return None
-        self._watched = (tensors, attrs)
+        self._watched = (tensors, attrs, plain)
         return dynamo_regions.marked_apart(self.module)
 
     def _trace_every_layer(self, why: str, args: tuple, kwargs: dict) -> Any:

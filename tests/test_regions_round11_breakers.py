@@ -1,0 +1,237 @@
+"""Breakers helper-79 and helper-80 (round 11): ``regions=True``. torch 2.13 CPU, Gloo, world 2,
+aot_eager; loss and every parameter gradient against one device at every step. Model:
+tests/decoder_layer.py (embedding, 3 decoder layers, head); B=2, S=32.
+
+FOUND (silent, both):
+
+1. helper-79: a plain value of ONE layer other than the first, changed after the first call,
+   was not seen: the layer kept running the first layer's trace (Dynamo's reuse guards only the
+   first layer's reads; plain ``nested_compile_region`` does the same). Each of: a bool flag
+   (``layers[1].flag = True``: loss 4.4226909 against 4.5984650, worst gradient 0.74), a string
+   mode (0.4226909 against 4.3926463, worst 1.64), LayerNorm's ``eps``, LeakyReLU's slope,
+   ``layers[1].eval()`` (worst 2.46 where the layer reads ``self.training``), a submodule's
+   ``__class__`` set in place. FIXED: the module compares the marked layers' plain state (each
+   module's class and ``__dict__`` values) at every call (layer_alike.PlainWatch); a change
+   the first layer of the class did not make too makes autosp trace every layer.
+   ``model.eval()`` and a flag set on every layer keep the layers traced once: the first
+   layer's guards fail and Dynamo traces again, comparing every layer.
+
+2. helper-80: alike layers each handed a different int derived from the sequence length
+   (``layer(x, S - 7 * i)``), at static sizes (the first length of the default, or
+   ``dynamic=False``): autosp.outline put layers 1 and 2 in one subgraph, whose static trace
+   took one call's int for both (loss 4.4316473 against 4.4324565, worst gradient 0.28 with
+   Dynamo's reuse on; Inductor raised an internal error). FIXED: a region's integer operand is
+   keyed by its expression in the symbolic sizes (outline._operand_kind), so such layers stay
+   apart.
+
+``regions=False`` was exact on all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import decoder_layer
+from decoder_layer import VOCAB
+from distributed import make_batch, relative_grad_errors, run_ranks
+
+
+class FlagLayer(decoder_layer.Layer):
+    """Reads a flag, a string mode and its own training flag; its norm has an ``eps`` and its
+    activation a slope, each a constant of the trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flag, self.mode = False, "a"
+        self.act = nn.LeakyReLU(0.1)
+
+    def scale(self, u: torch.Tensor) -> torch.Tensor:
+        if self.flag:
+            u = u * 3.0
+        if self.mode == "b":
+            u = u * 0.5
+        if not self.training:
+            u = u * 0.25
+        return self.act(u)
+
+
+class Halved(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 0.5
+
+
+#: Made on layer 1 alone before the step after the first; each unseen before the fix.
+CHANGES = {
+    "flag": lambda m: setattr(m.layers[1], "flag", True),
+    "mode": lambda m: setattr(m.layers[1], "mode", "b"),
+    "eps": lambda m: setattr(m.layers[1].n2, "eps", 0.5),
+    "slope": lambda m: setattr(m.layers[1].act, "negative_slope", 0.7),
+    "eval": lambda m: m.layers[1].eval(),
+    "class": lambda m: setattr(m.layers[1].n2, "__class__", Halved),
+}
+
+
+def _step(compiled: Any, model: nn.Module, ref: nn.Module, seed: int) -> tuple:
+    ids, labels = make_batch(VOCAB, 2, 32, seed=seed)
+    for m in (model, ref):
+        m.zero_grad()
+    ref_loss = ref(ids, labels)
+    ref_loss.backward()
+    loss = compiled(ids, labels)
+    loss.backward()
+    return loss.item(), ref_loss.item(), relative_grad_errors(
+        {n: p.grad for n, p in model.named_parameters()},
+        {n: p.grad for n, p in ref.named_parameters()})
+
+
+def _change_worker(rank: int, world: int, regions: bool, cases: list[str]) -> dict[str, Any]:
+    import autosp
+
+    mesh = autosp.init_mesh(world)
+    out: dict[str, Any] = {}
+    for case in cases:
+        torch._dynamo.reset()  # each case's compiles count towards the forward's recompile limit
+        torch.manual_seed(0)
+        model = decoder_layer.Model(FlagLayer)
+        ref = copy.deepcopy(model)
+        compiled = autosp.compile(model, mesh, backend="aot_eager", regions=regions)
+        steps = [_step(compiled, model, ref, 1)]
+        for m in (model, ref):
+            CHANGES[case](m)
+        steps.append(_step(compiled, model, ref, 2))
+        out[case] = steps
+    return out
+
+
+def _check_exact(per_rank: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(per_rank):
+        for case, steps in out.items():
+            for step, (loss, ref, errors) in enumerate(steps):
+                where = (rank, case, f"step {step}")
+                assert abs(loss - ref) <= 1e-5 * abs(ref), (*where, loss, ref)
+                worst = max(errors, key=errors.get)
+                assert errors[worst] <= 1e-4, (*where, worst, errors[worst])
+
+
+@pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
+def test_a_plain_value_changed_on_one_layer_after_the_first_call_is_seen() -> None:
+    _check_exact(run_ranks(2, _change_worker, True, list(CHANGES)))
+
+
+@pytest.mark.slow
+def test_guard_plain_values_changed_on_one_layer_are_exact_without_regions() -> None:
+    _check_exact(run_ranks(2, _change_worker, False, list(CHANGES)))
+
+
+def test_plain_watch_tells_a_change_on_one_layer_from_one_on_every_layer() -> None:
+    """layer_alike.PlainWatch: a change the first layer made too is left to Dynamo's guards
+    (model.eval(), a flag on every layer); one on a later layer alone is named."""
+    from autosp.layer_alike import PlainWatch
+
+    model = decoder_layer.Model(FlagLayer)
+    watch = PlainWatch([[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]])
+    assert watch.changed_alone() is None
+    model.eval()
+    model.train()
+    for layer in model.layers:
+        layer.flag = True
+    assert watch.changed_alone() is None
+    model.layers[0].n2.eps = 1e-5  # reassigned, equal: no change
+    assert watch.changed_alone() is None
+    model.layers[0].mode = "b"  # the first layer alone: its own guards see it
+    assert watch.changed_alone() is None
+    model.layers[2].flag = False
+    assert watch.changed_alone() == (
+        "layers.2.flag changed after the first call, and not on layers.0 alike (Dynamo's "
+        "reuse guards only the first layer's values)")
+    assert watch.changed_alone() is None  # the change is the baseline now
+    model.layers[1].act.__class__ = nn.ReLU
+    assert watch.changed_alone().startswith("layers.1.act.__class__ changed")
+    model.layers[1].eval()
+    assert watch.changed_alone().startswith("layers.1.")
+    del model.layers[2].mode
+    assert watch.changed_alone().startswith("layers.2.mode changed")
+
+
+def _train_eval_worker(rank: int, world: int) -> dict[str, Any]:
+    import autosp
+
+    torch.manual_seed(0)
+    model = decoder_layer.Model(FlagLayer)
+    ref = copy.deepcopy(model)
+    compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", regions=True)
+    steps = [_step(compiled, model, ref, 1)]
+    for m in (model, ref):
+        m.eval()
+    with torch.no_grad():
+        ids, labels = make_batch(VOCAB, 2, 32, seed=3)
+        evals = (compiled(ids, labels).item(), ref(ids, labels).item())
+    for m in (model, ref):
+        m.train()
+    steps.append(_step(compiled, model, ref, 2))
+    return {"steps": steps, "eval": evals, "traced_once": list(compiled.traced_once)}
+
+
+@pytest.mark.filterwarnings("error:.*tracing every layer instead")
+def test_model_eval_and_train_keep_the_layers_traced_once() -> None:
+    """The whole model put in eval mode and back (a validation pass) changes every layer alike:
+    the layers stay traced once, and both modes are exact."""
+    for out in run_ranks(2, _train_eval_worker):
+        _check_exact([{"train": out["steps"]}])
+        assert abs(out["eval"][0] - out["eval"][1]) <= 1e-5 * abs(out["eval"][1]), out["eval"]
+        assert out["traced_once"] == ["layers.0", "layers.1", "layers.2"]
+
+
+V, H = 64, 32
+
+
+class SizedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x))) * (n * 0.01)
+
+
+class SizedModel(nn.Module):
+    """Each layer handed its own int from the sequence length: S, S - 7, S - 14."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(SizedLayer() for _ in range(3))
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ids.shape[1] - 7 * i)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _sized_worker(rank: int, world: int, reuse: bool) -> dict[str, Any]:
+    import autosp
+    import autosp.dynamo_regions
+
+    if not reuse:  # autosp.outline alone: Dynamo traces every layer
+        autosp.dynamo_regions.reuse_supported = lambda: False
+    torch.manual_seed(0)
+    model = SizedModel()
+    ref = copy.deepcopy(model)
+    compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", regions=True,
+                              dynamic=False)
+    return {"steps": [_step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["traced-once", "outline-only"])
+def test_layers_handed_different_sizes_do_not_share_a_subgraph(reuse: bool) -> None:
+    for out in run_ranks(2, _sized_worker, reuse):
+        _check_exact([{"sized": out["steps"]}])
+        assert not any("calls" in line for line in out["outlined"]), out["outlined"]
