@@ -243,7 +243,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     call is traced instead (autosp.dynamo_reuse); a layer holding a reference to the model or
     to another layer is not marked, nor one holding a list, dict or plain object of data (a
     number, string or tensor) that no other layer holds. A hook, a submodule or an attribute of
-    a parameter changed on one layer after a compile makes autosp trace every layer.
+    a parameter changed on one layer after a compile, or a plain value (a flag, a norm's ``eps``,
+    ``training``) changed on one layer and not on the first layer of its class after the first
+    call, makes autosp trace every layer.
     ``SequenceParallelModule.last_compile.outlined`` says which layers call which subgraph,
     or why one stays inline (with ``remat=Offload(...)`` or a ``MemoryBudget`` all do: offloading
     and a budget are decided over the whole graph; autosp.outline.whole_graph_policy).

@@ -231,22 +231,36 @@ def _tripwire(join: Path) -> Iterator[None]:
     ``distributed_c10d``, where PyTorch's compile calls them) writes ``join`` before it runs,
     so that the ranks waiting for this compile stop waiting, compile too and meet it there.
     :func:`compile_collectives` names the options known to do this, and no rank waits under
-    them; this catches the others (helper-74's hang was one, with a 30-minute wait)."""
+    them; this catches the others (helper-74's hang was one, with a 30-minute wait).
+
+    A collective on another thread counts too (breaker helper-79: a compile pass that ran its
+    collective on a thread pool of its own stalled every rank until the process group's
+    timeout). It may be no part of the compile (an asynchronous checkpoint's): then the ranks
+    waiting only compile for themselves, and its mark is removed when the compile ends, so that
+    later compiles of the graph are shared again. The compiling thread's mark stays."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    compiling = threading.get_ident()  # another thread's collective (a checkpoint's) is not it
+    compiling = threading.get_ident()
+    marked: dict[str, bool] = {}  # "compile": the compiling thread's; "other": another's
 
     def tripped(fn: Any) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == compiling and not join.exists():
-                with contextlib.suppress(OSError):
-                    join.touch()
-                warnings.warn(f"[autosp:compile] this compile runs {fn.__name__} over the ranks "
-                              "(an option of PyTorch's that autosp.shared_compile does not list): "
-                              "the ranks that waited for it compile it too, and it is not shared "
-                              f"from now on ({join}).", stacklevel=2)
+            ours = threading.get_ident() == compiling
+            if ours and "compile" not in marked or not marked:
+                marked["compile" if ours else "other"] = True
+                if not join.exists():
+                    with contextlib.suppress(OSError):
+                        join.touch()
+                    warnings.warn(
+                        f"[autosp:compile] {'this compile' if ours else 'a thread of this process'} "
+                        f"runs {fn.__name__} over the ranks while this process compiles a graph "
+                        "other ranks wait for (an option of PyTorch's that "
+                        "autosp.shared_compile does not list, or a collective of the model's "
+                        "own thread): the ranks that waited for it compile it too"
+                        + (", and it is not shared from now on" if ours else "")
+                        + f" ({join}).", stacklevel=2)
             return fn(*args, **kwargs)
         return call
 
@@ -259,6 +273,9 @@ def _tripwire(join: Path) -> Iterator[None]:
     finally:
         for module, name, fn in reversed(saved):
             setattr(module, name, fn)
+        if "other" in marked and "compile" not in marked:
+            with contextlib.suppress(OSError):
+                join.unlink()
 
 
 #: Seconds the last compile waited for another process's (a test reads it).
