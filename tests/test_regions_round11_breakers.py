@@ -24,6 +24,12 @@ FOUND (silent, both):
    keyed by its expression in the symbolic sizes (outline._operand_kind), so such layers stay
    apart.
 
+3. helper-80 (loud, not silent): a layer handed its hidden state with other strides (``x =
+   x.transpose(0, 1).contiguous().transpose(0, 1)`` before layer 1) called the subgraph traced
+   for a contiguous operand, and the compile failed inside it ("internal error: Cannot view a
+   tensor with shape [2, 16, 32] and strides (32, 64, 1)"). FIXED: a tensor operand is keyed
+   by its strides too; layers 1 and 2 (both strided) share a subgraph, layer 0 stays apart.
+
 ``regions=False`` was exact on all of them.
 """
 
@@ -235,3 +241,40 @@ def test_layers_handed_different_sizes_do_not_share_a_subgraph(reuse: bool) -> N
     for out in run_ranks(2, _sized_worker, reuse):
         _check_exact([{"sized": out["steps"]}])
         assert not any("calls" in line for line in out["outlined"]), out["outlined"]
+
+
+class StridedModel(SizedModel):
+    """Layer 1 handed its hidden state transposed in memory (the same values, other strides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(decoder_layer.Layer() for _ in range(3))
+        self.embed, self.head = nn.Embedding(VOCAB, H), nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            if i == 1:
+                x = x.transpose(0, 1).contiguous().transpose(0, 1)
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _strided_worker(rank: int, world: int, reuse: bool) -> dict[str, Any]:
+    import autosp
+    import autosp.dynamo_regions
+
+    if not reuse:
+        autosp.dynamo_regions.reuse_supported = lambda: False
+    torch.manual_seed(0)
+    model = StridedModel()
+    ref = copy.deepcopy(model)
+    compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", regions=True)
+    return {"steps": [_step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["traced-once", "outline-only"])
+def test_a_layer_handed_other_strides_does_not_share_the_subgraph(reuse: bool) -> None:
+    for out in run_ranks(2, _strided_worker, reuse):
+        _check_exact([{"strided": out["steps"]}])
+        assert out["outlined"][0].startswith("layers.0: not outlined"), out["outlined"]

@@ -106,7 +106,10 @@ def _value(node: fx.Node) -> Any:
 def _operand_kind(node: fx.Node) -> Any:
     v = _value(node)
     if isinstance(v, torch.Tensor):  # a subgraph is traced once, with its first call's shapes
-        return ("tensor", v.dtype, tuple(str(d) for d in v.shape), v.requires_grad)
+        # and strides (a layer handed a transposed copy failed in a view traced for a
+        # contiguous operand: breaker helper-80)
+        return ("tensor", v.dtype, tuple(str(d) for d in v.shape),
+                tuple(str(d) for d in v.stride()), v.requires_grad)
     if isinstance(v, torch.SymInt):
         # By its expression in the symbolic sizes: a static compile (autosp.specialize) hands
         # the subgraph a plain int, and PyTorch traces a subgraph once, with its first call's
