@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import math
 import importlib.util
 import operator
 import re
@@ -100,8 +101,16 @@ def _marked_forward(forward: Callable) -> Callable:
     variable of the region, which failed with an internal error ("Freevar has no source"), or,
     when it was the call's input too, was read as that input by every later layer (breaker
     helper-47). Operands are looked for inside lists, tuples and dicts as well. State the
-    caller writes elsewhere (a submodule's attribute, a global) is autosp.dynamo_reuse's."""
-    region = torch.compiler.nested_compile_region(forward)
+    caller writes elsewhere (a submodule's attribute, a global) is autosp.dynamo_reuse's.
+
+    The region is handed the kinds of the call's number arguments as well (``_kinds``: each
+    one's type and sign): Dynamo's reuse compares a constant argument with ``!=``, so a layer
+    called with ``1`` ran the trace made for ``True``, and one with ``-0.0`` the trace made for
+    ``0.0`` (breaker helper-81)."""
+    def kinded(self: nn.Module, _kinds: tuple, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, **kwargs)
+
+    region = torch.compiler.nested_compile_region(kinded)
 
     @functools.wraps(forward)
     def marked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +125,12 @@ def _marked_forward(forward: Callable) -> Callable:
                 isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
                 for v in self.__dict__.values()):
             return forward(self, *args, **kwargs)
-        return region(self, *args, **kwargs)
+        # (Nothing computed from an int: one made from the sequence length is symbolic, and
+        # a sign test would fix its value. A float's sign only where it is zero: -0.0.)
+        kinds = tuple((type(a).__name__,
+                       math.copysign(1.0, a) if type(a) is float and a == 0.0 else 1.0)
+                      for a in leaves if type(a) in (bool, int, float))
+        return region(self, kinds, *args, **kwargs)
 
     return marked
 

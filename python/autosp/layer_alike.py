@@ -5,7 +5,11 @@ stamp-out would re-root to the wrong layer."""
 
 from __future__ import annotations
 
+import functools
 import operator
+import types
+from collections import deque
+from collections.abc import Collection, Mapping
 from itertools import chain
 from typing import Any, Iterator
 
@@ -91,27 +95,42 @@ _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, to
 
 
 def _mutables(value: Any, depth: int = 0) -> Iterator[Any]:
-    """The mutable plain objects ``value`` is or holds (lists, dicts, sets, objects with a
-    __dict__; not modules, tensors, classes or functions) that hold data themselves: a number,
-    string, flag or tensor, which a forward reads as a value. Three levels deep. (A dict of
-    functions, or a list holding a module, as Hugging Face's attention and the ``[module]``
-    idiom have per layer, holds no data of its own.)"""
-    if depth > 3 or isinstance(value, (nn.Module, torch.Tensor, type) + _IMMUTABLE) \
-            or callable(value):
+    """The mutable objects ``value`` is or holds (containers, objects with a __dict__ or
+    __slots__, and any other object that is not a module, tensor, class, function or immutable
+    value) that hold data themselves: a number, string, flag or tensor, which a forward reads
+    as a value. An object whose contents autosp cannot list (a numpy array, a C extension's)
+    counts as holding data. Three levels deep. (A dict of functions, or a list holding a
+    module, as Hugging Face's attention and the ``[module]`` idiom have per layer, holds no data
+    of its own.) Found by breaker helper-81: a ``__slots__`` object and a ``collections.deque``
+    per layer were not found, and a change to one on layer 1 after the first call went unseen."""
+    if depth > 3 or isinstance(value, (nn.Module, torch.Tensor, type) + _IMMUTABLE):
+        return
+    if callable(value):  # a function's own state is PlainWatch's (_function_state)
         return
     if isinstance(value, (tuple, frozenset)):
         for v in value:
             yield from _mutables(v, depth + 1)
         return
-    fields = getattr(value, "__dict__", None)
-    if not isinstance(value, (list, dict, set)) and not isinstance(fields, dict):
-        return
-    held = list(value.values() if isinstance(value, dict) else
-                value if isinstance(value, (list, set)) else fields.values())
-    if any(isinstance(v, (torch.Tensor,) + _IMMUTABLE) for v in held):
+    held = _contents(value)
+    if held is None or any(isinstance(v, (torch.Tensor,) + _IMMUTABLE) for v in held):
         yield value
-    for v in held:
+    for v in held or ():
         yield from _mutables(v, depth + 1)
+
+
+def _contents(value: Any) -> list | None:
+    """What a container or plain object holds, or None where it cannot be listed."""
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (Collection, deque)) and not isinstance(value, (str, bytes)):
+        return list(value)
+    fields = getattr(value, "__dict__", None)
+    slots = [name for cls in type(value).__mro__ for slot in [getattr(cls, "__slots__", ())]
+             for name in ((slot,) if isinstance(slot, str) else slot)]
+    if isinstance(fields, dict) or slots:
+        held = list(fields.values()) if isinstance(fields, dict) else []
+        return held + [getattr(value, n) for n in slots if n != "__dict__" and hasattr(value, n)]
+    return None
 
 
 def mutable_state(layer: nn.Module) -> dict[int, str]:
@@ -195,6 +214,25 @@ def back_reference(model: nn.Module, path: str, layer: nn.Module,
     return None
 
 
+def _watched_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A layer's modules: its registered submodules, and the modules its modules hold outside
+    the registry (in a list, dict or plain object: the ``[module]`` idiom), by a path of their
+    own (``mlp._aux.0``). Found by breaker helper-81: a LeakyReLU held in a list, its slope
+    changed on layer 1 alone, went unseen."""
+    out = list(layer.named_modules())
+    seen = {id(m) for _, m in out}
+    for rel, m in list(out):
+        for k, v in vars(m).items():
+            if k in _MODULE_STATE:
+                continue
+            for i, held in enumerate(_plain_modules(v)):
+                for sub_rel, sub in held.named_modules():
+                    if id(sub) not in seen:
+                        seen.add(id(sub))
+                        out.append((".".join(p for p in (rel, k, str(i), sub_rel) if p), sub))
+    return out
+
+
 class PlainWatch:
     """The plain state of marked layers, compared at every call: each module's class and the
     values in its ``__dict__`` (numbers, strings and flags such as ``training`` or a norm's
@@ -202,17 +240,26 @@ class PlainWatch:
     reads, so a value changed after the first call on another layer alone went unseen: that
     layer kept running the first layer's trace (breaker helper-79: a per-layer flag, a string
     mode, LayerNorm's eps, LeakyReLU's slope, ``layers[1].eval()``, a submodule's ``__class__``
-    set in place; plain ``nested_compile_region`` alike). A change the first layer of the class
-    made too (``model.eval()``, a flag set on every layer) fails the first layer's guards, and
-    Dynamo traces the model again, comparing every layer; that is left to it.
+    set in place; plain ``nested_compile_region`` alike). A change every marked layer of the class
+    made (``model.eval()``, a flag set on every layer) fails the guards of whichever layer Dynamo
+    traced, and Dynamo traces the model again, comparing every layer; that is left to it. A
+    change on some layers only is not: the layer Dynamo traced need not be the first (breaker
+    helper-81: layer 0 did not read ``flag``, layer 1 was traced, and layers 0 and 2 changed it).
 
     ``groups``: per class, its marked layers as ``(path, layer)``, the first first."""
 
     def __init__(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
-        self._layers = [[(path, list(layer.named_modules())) for path, layer in group]
+        self._layers = [[(path, _watched_modules(layer)) for path, layer in group]
                         for group in groups]
         self._modules = [m for group in self._layers for _, mods in group for _, m in mods]
         self._dicts = [vars(m) for m in self._modules]
+        # Function objects the modules hold, whose state changes in place: a partial's keywords,
+        # a function's defaults (breaker helper-81: layers[1].f.__defaults__ = (2.0,) and
+        # layers[1].act.keywords["negative_slope"] = 0.7 after the first call went unseen).
+        self._functions = [(gi, li, rel, k, v) for gi, group in enumerate(self._layers)
+                           for li, (_, mods) in enumerate(group) for rel, m in mods
+                           for k, v in vars(m).items()
+                           if isinstance(v, (functools.partial, types.FunctionType))]
         self._refresh()
 
     def _refresh(self) -> None:
@@ -222,6 +269,7 @@ class PlainWatch:
                       for d in self._dicts]
         self._getters = [operator.itemgetter(*keys) for keys in self._keys]
         self._seen = self._state()
+        self._seen_functions = [_function_state(f[-1]) for f in self._functions]
 
     def _state(self) -> tuple | None:
         """Every module's class, ``__dict__`` size and watched values, in C loops (a Python loop
@@ -234,26 +282,30 @@ class PlainWatch:
         return tuple(map(type, self._modules)), tuple(map(len, self._dicts)), values
 
     def changed_alone(self) -> str | None:
-        """Where a layer's plain state changed since the last call in a way the first layer of
-        its class did not change, or None; either way the state now is the next call's
+        """Where a layer's plain state changed since the last call in a way not every marked
+        layer of its class changed, or None; either way the state now is the next call's
         baseline."""
         now, seen = self._state(), self._seen
+        functions = [_function_state(f[-1]) for f in self._functions]
         if now is not None and now[0] == seen[0] and now[1] == seen[1] \
-                and all(map(operator.is_, now[2], seen[2])):
+                and all(map(operator.is_, now[2], seen[2])) and functions == self._seen_functions:
             return None
         before = iter(self._before(seen))
         changes = [[(path, {(rel, k) for rel, m in mods for k in _changed_keys(*next(before), m)})
                     for path, mods in group] for group in self._layers]
+        for (gi, li, rel, k, _), a, b in zip(self._functions, functions, self._seen_functions):
+            if a != b:
+                changes[gi][li][1].add((rel, k))
         self._refresh()
         for group in changes:
-            first_path, first = group[0]
-            for path, keys in group[1:]:
-                if alone := sorted(keys - first):
-                    rel, key = alone[0]
-                    where = f"{path}.{rel}" if rel else path
-                    return (f"{where}.{key} changed after the first call, and not on "
-                            f"{first_path} alike (Dynamo's reuse guards only the first layer's "
-                            "values)")
+            every = set.union(*(keys for _, keys in group))
+            for path, keys in group:
+                if missing := sorted(every - keys):
+                    rel, key = missing[0]
+                    changed = next(p for p, k in group if (rel, key) in k)
+                    attr = f"{rel}.{key}" if rel else key
+                    return (f"{changed}.{attr} changed after the first call, and not on {path} "
+                            "alike (Dynamo's reuse guards only the values of the layer it traced)")
         return None
 
     def _before(self, seen: tuple) -> Iterator[tuple]:
@@ -262,6 +314,32 @@ class PlainWatch:
         for cls, keys in zip(seen[0], self._keys):
             yield cls, keys, seen[2][at:at + len(keys)]
             at += len(keys)
+
+
+def _function_state(fn: Any) -> tuple:
+    """What a partial or a function reads besides its operands: the partial's function,
+    arguments and keywords, the function's defaults and closure cells (numbers and strings by
+    value, other objects by identity)."""
+    if isinstance(fn, functools.partial):
+        parts = (fn.func, *fn.args, *sorted(fn.keywords.items()))
+    else:
+        parts = (*(fn.__defaults__ or ()), *sorted((fn.__kwdefaults__ or {}).items()),
+                 *(c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)))
+    return tuple(_by_value(p) for p in parts)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _by_value(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return tuple(_by_value(x) for x in v)
+    return v if isinstance(v, _IMMUTABLE) else ("id", id(v))
 
 
 def _changed_keys(cls: type, keys: tuple, values: tuple, m: nn.Module) -> Iterator[str]:
