@@ -241,7 +241,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     a ``nested_compile_region`` forward (autosp.dynamo_regions; ``.traced_once`` lists them).
     Where the forward writes state between layer calls (a module's attribute, a global), each
     call is traced instead (autosp.dynamo_reuse); a layer holding a reference to the model or
-    to another layer is not marked, nor one holding a list, dict or plain object of data (a
+    to another layer is not marked, nor one holding a list, dict, deque or plain object of data (a
     number, string or tensor) that no other layer holds. A hook, a submodule or an attribute of
     a parameter changed on one layer after a compile, or a plain value (a flag, a norm's ``eps``,
     ``training``) changed on one layer and not on the first layer of its class after the first
