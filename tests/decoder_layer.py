@@ -4,6 +4,8 @@ one layer compute differently from the others."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,3 +46,32 @@ class Model(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def step(compiled: Any, model: nn.Module, ref: nn.Module, seed: int) -> tuple:
+    """One step of ``compiled`` (over ``model``) and of the one-device ``ref`` on the batch of
+    ``seed``: (loss, reference loss, relative error of every parameter's gradient)."""
+    from distributed import make_batch, relative_grad_errors
+
+    ids, labels = make_batch(VOCAB, 2, 32, seed=seed)
+    for m in (model, ref):
+        m.zero_grad()
+    ref_loss = ref(ids, labels)
+    ref_loss.backward()
+    loss = compiled(ids, labels)
+    loss.backward()
+    return loss.item(), ref_loss.item(), relative_grad_errors(
+        {n: p.grad for n, p in model.named_parameters()},
+        {n: p.grad for n, p in ref.named_parameters()})
+
+
+def check_exact(per_rank: list[dict[str, Any]]) -> None:
+    """Every rank's every case's every step (as :func:`step` returns it): the loss within 1e-5
+    relative of one device's, and every gradient within 1e-4."""
+    for rank, out in enumerate(per_rank):
+        for case, steps in out.items():
+            for i, (loss, ref, errors) in enumerate(steps):
+                where = (rank, case, f"step {i}")
+                assert abs(loss - ref) <= 1e-5 * abs(ref), (*where, loss, ref)
+                worst = max(errors, key=errors.get)
+                assert errors[worst] <= 1e-4, (*where, worst, errors[worst])

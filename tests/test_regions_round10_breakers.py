@@ -41,8 +41,7 @@ import pytest
 import torch
 
 import decoder_layer
-from decoder_layer import VOCAB
-from distributed import make_batch, relative_grad_errors, run_ranks
+from distributed import run_ranks
 
 CASES = ("bits", "cfg", "list")
 
@@ -93,38 +92,19 @@ def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
         for step in range(2):
             _change(case, model, step)
             _change(case, ref, step)
-            ids, labels = make_batch(VOCAB, 2, 32, seed=step + 1)
-            for m in (model, ref):
-                m.zero_grad()
-            ref_loss = ref(ids, labels)
-            ref_loss.backward()
-            loss = compiled(ids, labels)
-            loss.backward()
-            steps.append((loss.item(), ref_loss.item(), relative_grad_errors(
-                {n: p.grad for n, p in model.named_parameters()},
-                {n: p.grad for n, p in ref.named_parameters()})))
+            steps.append(decoder_layer.step(compiled, model, ref, step + 1))
         out[case] = steps
     return out
 
 
-def _check_exact(per_rank: list[dict[str, Any]]) -> None:
-    for rank, out in enumerate(per_rank):
-        for case, steps in out.items():
-            for step, (loss, ref, errors) in enumerate(steps):
-                where = (rank, case, f"step {step}")
-                assert abs(loss - ref) <= 1e-5 * abs(ref), (*where, loss, ref)
-                worst = max(errors, key=errors.get)
-                assert errors[worst] <= 1e-4, (*where, worst, errors[worst])
-
-
 @pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
 def test_state_changed_on_one_layer_after_the_first_call_is_seen_with_regions() -> None:
-    _check_exact(run_ranks(2, _worker, True))
+    decoder_layer.check_exact(run_ranks(2, _worker, True))
 
 
 @pytest.mark.slow
 def test_guard_state_changed_on_one_layer_is_exact_without_regions() -> None:
-    _check_exact(run_ranks(2, _worker, False))
+    decoder_layer.check_exact(run_ranks(2, _worker, False))
 
 
 def test_a_mutable_object_one_layer_holds_alone_keeps_the_layers_unmarked() -> None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import decoder_layer
 from decoder_layer import VOCAB
-from distributed import make_batch, relative_grad_errors, run_ranks
+from distributed import make_batch, run_ranks
 
 
 class FlagLayer(decoder_layer.Layer):
@@ -83,19 +83,6 @@ CHANGES = {
 }
 
 
-def _step(compiled: Any, model: nn.Module, ref: nn.Module, seed: int) -> tuple:
-    ids, labels = make_batch(VOCAB, 2, 32, seed=seed)
-    for m in (model, ref):
-        m.zero_grad()
-    ref_loss = ref(ids, labels)
-    ref_loss.backward()
-    loss = compiled(ids, labels)
-    loss.backward()
-    return loss.item(), ref_loss.item(), relative_grad_errors(
-        {n: p.grad for n, p in model.named_parameters()},
-        {n: p.grad for n, p in ref.named_parameters()})
-
-
 def _change_worker(rank: int, world: int, regions: bool, cases: list[str]) -> dict[str, Any]:
     import autosp
 
@@ -107,32 +94,22 @@ def _change_worker(rank: int, world: int, regions: bool, cases: list[str]) -> di
         model = decoder_layer.Model(FlagLayer)
         ref = copy.deepcopy(model)
         compiled = autosp.compile(model, mesh, backend="aot_eager", regions=regions)
-        steps = [_step(compiled, model, ref, 1)]
+        steps = [decoder_layer.step(compiled, model, ref, 1)]
         for m in (model, ref):
             CHANGES[case](m)
-        steps.append(_step(compiled, model, ref, 2))
+        steps.append(decoder_layer.step(compiled, model, ref, 2))
         out[case] = steps
     return out
 
 
-def _check_exact(per_rank: list[dict[str, Any]]) -> None:
-    for rank, out in enumerate(per_rank):
-        for case, steps in out.items():
-            for step, (loss, ref, errors) in enumerate(steps):
-                where = (rank, case, f"step {step}")
-                assert abs(loss - ref) <= 1e-5 * abs(ref), (*where, loss, ref)
-                worst = max(errors, key=errors.get)
-                assert errors[worst] <= 1e-4, (*where, worst, errors[worst])
-
-
 @pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
 def test_a_plain_value_changed_on_one_layer_after_the_first_call_is_seen() -> None:
-    _check_exact(run_ranks(2, _change_worker, True, list(CHANGES)))
+    decoder_layer.check_exact(run_ranks(2, _change_worker, True, list(CHANGES)))
 
 
 @pytest.mark.slow
 def test_guard_plain_values_changed_on_one_layer_are_exact_without_regions() -> None:
-    _check_exact(run_ranks(2, _change_worker, False, list(CHANGES)))
+    decoder_layer.check_exact(run_ranks(2, _change_worker, False, list(CHANGES)))
 
 
 def test_plain_watch_tells_a_change_on_one_layer_from_one_on_every_layer() -> None:
@@ -174,7 +151,7 @@ def _train_eval_worker(rank: int, world: int) -> dict[str, Any]:
     model = decoder_layer.Model(FlagLayer)
     ref = copy.deepcopy(model)
     compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", regions=True)
-    steps = [_step(compiled, model, ref, 1)]
+    steps = [decoder_layer.step(compiled, model, ref, 1)]
     for m in (model, ref):
         m.eval()
     with torch.no_grad():
@@ -182,7 +159,7 @@ def _train_eval_worker(rank: int, world: int) -> dict[str, Any]:
         evals = (compiled(ids, labels).item(), ref(ids, labels).item())
     for m in (model, ref):
         m.train()
-    steps.append(_step(compiled, model, ref, 2))
+    steps.append(decoder_layer.step(compiled, model, ref, 2))
     return {"steps": steps, "eval": evals, "traced_once": list(compiled.traced_once)}
 
 
@@ -191,7 +168,7 @@ def test_model_eval_and_train_keep_the_layers_traced_once() -> None:
     """The whole model put in eval mode and back (a validation pass) changes every layer alike:
     the layers stay traced once, and both modes are exact."""
     for out in run_ranks(2, _train_eval_worker):
-        _check_exact([{"train": out["steps"]}])
+        decoder_layer.check_exact([{"train": out["steps"]}])
         assert abs(out["eval"][0] - out["eval"][1]) <= 1e-5 * abs(out["eval"][1]), out["eval"]
         assert out["traced_once"] == ["layers.0", "layers.1", "layers.2"]
 
@@ -235,13 +212,13 @@ def _sized_worker(rank: int, world: int, reuse: bool) -> dict[str, Any]:
     ref = copy.deepcopy(model)
     compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", regions=True,
                               dynamic=False)
-    return {"steps": [_step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
+    return {"steps": [decoder_layer.step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
 
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["traced-once", "outline-only"])
 def test_layers_handed_different_sizes_do_not_share_a_subgraph(reuse: bool) -> None:
     for out in run_ranks(2, _sized_worker, reuse):
-        _check_exact([{"sized": out["steps"]}])
+        decoder_layer.check_exact([{"sized": out["steps"]}])
         assert not any("calls" in line for line in out["outlined"]), out["outlined"]
 
 
@@ -272,11 +249,11 @@ def _strided_worker(rank: int, world: int, reuse: bool) -> dict[str, Any]:
     model = StridedModel()
     ref = copy.deepcopy(model)
     compiled = autosp.compile(model, autosp.init_mesh(world), backend="aot_eager", regions=True)
-    return {"steps": [_step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
+    return {"steps": [decoder_layer.step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
 
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["traced-once", "outline-only"])
 def test_a_layer_handed_other_strides_does_not_share_the_subgraph(reuse: bool) -> None:
     for out in run_ranks(2, _strided_worker, reuse):
-        _check_exact([{"strided": out["steps"]}])
+        decoder_layer.check_exact([{"strided": out["steps"]}])
         assert out["outlined"][0].startswith("layers.0: not outlined"), out["outlined"]

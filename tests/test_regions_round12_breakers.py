@@ -40,8 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import decoder_layer
-from decoder_layer import VOCAB
-from distributed import make_batch, relative_grad_errors, run_ranks
+from distributed import run_ranks
 
 
 class GatedLayer(decoder_layer.Layer):
@@ -175,19 +174,6 @@ class ArgModel(decoder_layer.Model):
 ARGS = {"true-then-1": (True, 1), "1-then-true": (1, True), "zero-then-minus-zero": (0.0, -0.0)}
 
 
-def _step(compiled: Any, model: nn.Module, ref: nn.Module, seed: int) -> tuple:
-    ids, labels = make_batch(VOCAB, 2, 32, seed=seed)
-    for m in (model, ref):
-        m.zero_grad()
-    ref_loss = ref(ids, labels)
-    ref_loss.backward()
-    loss = compiled(ids, labels)
-    loss.backward()
-    return loss.item(), ref_loss.item(), relative_grad_errors(
-        {n: p.grad for n, p in model.named_parameters()},
-        {n: p.grad for n, p in ref.named_parameters()})
-
-
 def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
     import autosp
 
@@ -206,29 +192,19 @@ def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
             if step == 1:
                 change(model)
                 change(ref)
-            steps.append(_step(compiled, model, ref, step + 1))
+            steps.append(decoder_layer.step(compiled, model, ref, step + 1))
         out[name] = steps
     return out
 
 
-def _check_exact(per_rank: list[dict[str, Any]]) -> None:
-    for rank, out in enumerate(per_rank):
-        for case, steps in out.items():
-            for step, (loss, ref, errors) in enumerate(steps):
-                where = (rank, case, f"step {step}")
-                assert abs(loss - ref) <= 1e-5 * abs(ref), (*where, loss, ref)
-                worst = max(errors, key=errors.get)
-                assert errors[worst] <= 1e-4, (*where, worst, errors[worst])
-
-
 @pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
 def test_round_12_changes_and_arguments_are_exact_with_regions() -> None:
-    _check_exact(run_ranks(2, _worker, True))
+    decoder_layer.check_exact(run_ranks(2, _worker, True))
 
 
 @pytest.mark.slow
 def test_guard_round_12_cases_are_exact_without_regions() -> None:
-    _check_exact(run_ranks(2, _worker, False))
+    decoder_layer.check_exact(run_ranks(2, _worker, False))
 
 
 def test_hugging_face_layers_holding_a_partial_stay_marked() -> None:
