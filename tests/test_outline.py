@@ -33,7 +33,7 @@ def _count_reuse_hits() -> list[int]:
 
 
 def _worker(rank: int, world: int, backend: str, remat: str, layers: int = 4, seq: int = 32,
-            tile_loss: bool = False) -> dict[str, Any]:
+            tile_loss: bool = False, regions: bool | str = True) -> dict[str, Any]:
     import autosp
     from autosp.models.llama import LlamaForCausalLM
 
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, backend: str, remat: str, layers: int = 4, se
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(4, 2, num_layers=layers))
     ids, labels = make_batch(128, 2, seq, seed=1)
-    compiled = autosp.compile(model, mesh, remat=remat, backend=backend, regions=True,
+    compiled = autosp.compile(model, mesh, remat=remat, backend=backend, regions=regions,
                               tile_loss=tile_loss)
     out = step_against_reference(model, compiled, ids, labels)
     rec = compiled.last_compile
@@ -73,6 +73,16 @@ def test_alike_layers_call_one_subgraph_and_stay_exact(backend: str, remat: str)
         if dynamo_regions.reuse_supported():  # Dynamo traced one layer, stamped out the others
             assert r["traced_once"] == ([f"layers.{i}" for i in range(4)], 4), r["traced_once"]
             assert r["reuse_hits"] == 3, r["reuse_hits"]  # not refused by autosp.dynamo_reuse
+
+
+def test_regions_compile_outlines_every_layer_and_dynamo_traces_each() -> None:
+    """``regions="compile"``: the same 4 layers call one subgraph and the step is exact, but
+    no layer is marked for Dynamo to trace once (it traces every layer, and stamps out none)."""
+    lines = [f"layers.{i}: calls autosp_layer_0" for i in range(4)]
+    for rank, r in enumerate(run_ranks(2, _worker, "aot_eager", "none", 4, 32, False, "compile")):
+        assert_step_exact(r, f"rank {rank}")
+        assert r["outlined"] == lines and r["subgraphs"] == ["autosp_layer_0"], r["outlined"]
+        assert r["traced_once"] == ([], 0) and r["reuse_hits"] == 0, r["traced_once"]
 
 
 @pytest.mark.slow  # 60 s each on 2 cores
@@ -325,3 +335,12 @@ def test_the_check_stays_for_a_region_autosp_did_not_make() -> None:
         with regions_known_pure(torch.fx.GraphModule({"sub": torch.nn.Module()}, g)):
             assert hop._supports_training_input_mutation is skipped
         assert hop._supports_training_input_mutation is False
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, "Compile"])
+def test_a_regions_value_other_than_the_three_is_refused(bad: Any) -> None:
+    import autosp
+
+    with pytest.raises(autosp.AutospError, match=r"\[autosp:compile\] found regions=.*expected one "
+                       r"of \(False, 'compile', True\)"):
+        autosp.compile(torch.nn.Linear(2, 2), mesh=None, regions=bad)  # type: ignore[arg-type]

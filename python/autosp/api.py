@@ -19,6 +19,10 @@ from autosp.sp_module import SequenceParallelModule, _check_seq_dim, _is_int
 
 OUTPUTS = ("full", "local")
 UNSUPPORTED = ("gather", "error")
+#: ``regions``: False compiles every layer in one flat graph; "compile" compiles each class of
+#: alike decoder layers once (autosp.outline), with Dynamo tracing every layer; True also has
+#: Dynamo trace each class of repeated layers once (autosp.dynamo_regions).
+REGIONS = (False, "compile", True)
 
 
 def init_mesh(sp_size: int, dp_size: int | None = None, device_type: str | None = None) -> DeviceMesh:
@@ -93,6 +97,13 @@ def _check_outputs(outputs: str) -> None:
                           "rank's chunk of outputs sharded along the sequence.")
 
 
+def _check_regions(regions: Any) -> None:
+    if not any(regions is mode or (isinstance(regions, str) and regions == mode) for mode in REGIONS):
+        raise AutospError(f"[autosp:compile] found regions={regions!r}; expected one of {REGIONS}: "
+                          "False compiles every layer in one graph, 'compile' compiles each class "
+                          "of alike decoder layers once, True also has Dynamo trace it once.")
+
+
 def _check_flags(loss_chunks: int | None = None, **flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -124,7 +135,7 @@ def _make_backend(mesh: DeviceMesh, seq_dim: int, remat: Any, compiler: str,
                   remat_report: Any = None, outputs: str = "full",
                   unsupported: str = "gather", tile_loss: bool = False,
                   tile_mlp: bool = False, loss_chunks: int | None = None,
-                  dynamic: bool = True, regions: bool = False) -> SequenceParallelBackend:
+                  dynamic: bool = True, regions: bool | str = False) -> SequenceParallelBackend:
     rank, world, group = _sp_axis(mesh)
     return SequenceParallelBackend(rank=rank, world=world, group=group, seq_dim=seq_dim, remat=remat,
                                    backend=compiler, remat_report=remat_report,
@@ -165,7 +176,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
             check_inputs: str = "on_change", unsupported: str = "gather",
             tile_loss: bool = False, tile_mlp: bool = False,
             loss_chunks: int | None = None, dynamic: bool | None = None,
-            regions: bool = False) -> SequenceParallelModule:
+            regions: bool | str = False) -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -268,7 +279,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     _check_unsupported(unsupported)
     # With remat='auto' the chunks are the tiled loss's if auto turns it on.
     _check_flags(loss_chunks, tile_loss=tile_loss or auto is not None, tile_mlp=tile_mlp,
-                 regions=regions, **({} if dynamic is None else {"dynamic": dynamic}))
+                 **({} if dynamic is None else {"dynamic": dynamic}))
+    _check_regions(regions)
     guard.check_mode(check_inputs)
     _check_seq_dim(seq_dim)
     sp_backend = _make_backend(mesh, seq_dim, auto or remat, backend, remat_report, outputs, unsupported,

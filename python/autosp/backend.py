@@ -147,7 +147,7 @@ class SequenceParallelBackend:
                  remat_report: Any = None, gather_outputs: bool = True,
                  gather_unsupported: bool = True, tile_loss: bool = False,
                  tile_mlp: bool = False, loss_chunks: int = 0, dynamic: bool = True,
-                 regions: bool = False) -> None:
+                 regions: bool | str = False) -> None:
         if backend not in BACKENDS:
             raise AutospError(f"[autosp:compile] found backend={backend!r}; expected one of {BACKENDS}.")
         self.ctx = RankContext(rank=rank, world=world, group=group)

@@ -103,7 +103,7 @@ class SequenceParallelModule(CompileRecords, nn.Module):
         # not FSDP2-sharded layers (DTensor operands). An earlier compile's marks are undone.
         dynamo_regions.unmark_layers(model)
         self.traced_once: list[str] = []
-        if getattr(sp_backend, "regions", False) and not shard.is_sharded(model):
+        if getattr(sp_backend, "regions", False) is True and not shard.is_sharded(model):
             self.traced_once = dynamo_regions.mark_layers(model)
         self._holders = dynamo_reuse.shared_modules(model, self.traced_once)
         if self.traced_once:
