@@ -223,3 +223,23 @@ def test_hugging_face_layers_holding_a_partial_stay_marked() -> None:
     assert watch.changed_alone() is None
     model.model.layers[1].mlp.act_fn.act.keywords["approximate"] = "none"
     assert watch.changed_alone().startswith("model.layers.1.mlp.act_fn.act changed")
+
+
+def test_a_function_replaced_on_every_layer_is_watched_from_then_on() -> None:
+    """A per-layer function replaced on every layer after the first call (left to Dynamo, which
+    traces again), then changed in place on layer 1 alone: PlainWatch listed the layers'
+    functions once, so it kept watching the replaced ones and missed the change."""
+    from autosp import dynamo_regions
+    from autosp.layer_alike import PlainWatch
+
+    model = decoder_layer.Model(DefaultsLayer)
+    assert len(dynamo_regions.mark_layers(model)) == 3
+    try:
+        watch = PlainWatch(dynamo_regions.marked_groups(model))
+        for layer in model.layers:
+            layer.f = _scaler()
+        assert watch.changed_alone() is None  # every layer changed alike
+        model.layers[1].f.__defaults__ = (2.0,)
+        assert (watch.changed_alone() or "").startswith("layers.1.f changed"), watch.changed_alone()
+    finally:
+        dynamo_regions.unmark_layers(model)

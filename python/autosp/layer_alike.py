@@ -253,18 +253,19 @@ class PlainWatch:
                         for group in groups]
         self._modules = [m for group in self._layers for _, mods in group for _, m in mods]
         self._dicts = [vars(m) for m in self._modules]
-        # Function objects the modules hold, whose state changes in place: a partial's keywords,
-        # a function's defaults (breaker helper-81: layers[1].f.__defaults__ = (2.0,) and
-        # layers[1].act.keywords["negative_slope"] = 0.7 after the first call went unseen).
-        self._functions = [(gi, li, rel, k, v) for gi, group in enumerate(self._layers)
-                           for li, (_, mods) in enumerate(group) for rel, m in mods
-                           for k, v in vars(m).items()
-                           if isinstance(v, (functools.partial, types.FunctionType))]
         self._refresh()
 
     def _refresh(self) -> None:
         """The keys watched per module (its own attributes and ``training``, not nn.Module's
         registries and hook dicts, whose changes ModelState sees), and the state now."""
+        # Function objects the modules hold, whose state changes in place: a partial's keywords,
+        # a function's defaults (breaker helper-81: layers[1].f.__defaults__ = (2.0,) and
+        # layers[1].act.keywords["negative_slope"] = 0.7 after the first call went unseen).
+        # Listed anew at each refresh: one replaced after the first call is watched from then on.
+        self._functions = [(gi, li, rel, k, v) for gi, group in enumerate(self._layers)
+                           for li, (_, mods) in enumerate(group) for rel, m in mods
+                           for k, v in vars(m).items()
+                           if isinstance(v, (functools.partial, types.FunctionType))]
         self._keys = [("training", "_parameters") + tuple(k for k in d if k not in _MODULE_STATE)
                       for d in self._dicts]
         self._getters = [operator.itemgetter(*keys) for keys in self._keys]
