@@ -73,9 +73,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="loop over the hand-written model's layers in a method of their own "
                              "(ulysses_handwritten decoder_frame=True): torch.compile then compiles "
                              "its embedding, lm_head and loss, which it otherwise runs eagerly")
-    parser.add_argument("--regions", action="store_true",
-                        help="autosp.compile(regions=True): each class of alike decoder layers "
-                             "compiled once (the trainer's default)")
+    parser.add_argument("--regions", nargs="?", const="true", default="false",
+                        choices=("false", "compile", "true"),
+                        help="autosp.compile(regions=...): 'compile' compiles each class of alike "
+                             "decoder layers once, 'true' (the flag alone; the trainer's default) "
+                             "also has Dynamo trace it once")
     parser.add_argument("--models", default="autosp,handwritten",
                         help="comma-separated subset of autosp,handwritten to run")
     parser.add_argument("--dynamic", choices=["auto", "true", "false"], default="auto",
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> None:
         compiled = autosp.compile(
             sp_model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend,
             dynamic={"auto": None, "true": True, "false": False}[args.dynamic],
-            regions=args.regions,
+            regions={"false": False, "compile": "compile", "true": True}[args.regions],
         )
         models["autosp"] = sp_model
         steps["autosp"] = lambda: compiled(input_ids, labels)

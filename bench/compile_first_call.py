@@ -29,7 +29,7 @@ Face's ``LlamaModel`` does inside ``LlamaForCausalLM``: ``forward`` then breaks 
 ``torch.compile`` compiles the embedding, the head and the loss, the exchanges still eager.
 ``autosp-static-regions`` has Dynamo trace each class of
 layers once (autosp.dynamo_regions, PyTorch 2.13 and later); ``autosp-static-regions-every-layer``
-is the same compile with Dynamo tracing every layer. ``floor`` is ``torch.compile`` of a one-op
+is ``regions="compile"``: the same outline, with Dynamo tracing every layer. ``floor`` is ``torch.compile`` of a one-op
 function (``sin``, forward and backward) in the same process set-up: the least any first call
 of ``torch.compile`` costs on this machine (Dynamo, AOTAutograd and Inductor's start-up, cache
 lookups, one kernel), against which the other rows' compile work is what lies above it.
@@ -91,14 +91,12 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
             fn.save_compiled_function(saved)
         fn(x).sum().backward()
     elif which.startswith("autosp"):
-        if which.endswith("-every-layer"):  # regions, but Dynamo traces every layer
-            import autosp.dynamo_regions
-
-            autosp.dynamo_regions.reuse_supported = lambda: False
         mesh = autosp.init_mesh(sp)
+        # "-every-layer": regions="compile", Dynamo traces every layer
+        regions = ("compile" if which.endswith("-every-layer") else True) if "-regions" in which \
+            else False
         compiled = autosp.compile(model, mesh=mesh, check_inputs="never",
-                                  dynamic=which == "autosp-dynamic",
-                                  regions="-regions" in which)
+                                  dynamic=which == "autosp-dynamic", regions=regions)
         compiled(ids, ids).backward()
     else:
         traced = which == "handwritten-traced-static"
