@@ -79,6 +79,14 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     after = [n for n in span if n in down and n not in up]
     if not before and not after:
         return run, ""
+    # Moving a node across a write in place can change what it reads: the write may reach
+    # it through a view the graph does not connect (breaker helper-82: a helper's node read
+    # the layer's input through a view, moved before the layer's x.mul_, and the step was
+    # wrong although the layer then stayed inline for writing in place).
+    write = next((n for n in span if writes_in_place(n)), None)
+    if write is not None:
+        return [], (f"its nodes are not one contiguous run, and {write.name} between them "
+                    "writes in place (nothing is moved across it)")
     stuck = next((n for n in before + after if not movable(n)), None)
     if stuck is not None:
         what = ("a module attribute the graph reads, such as a flex attention score_mod"
