@@ -243,11 +243,14 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     at 2 layers and 0.64x at 16 under Inductor, and about a third under aot_eager
     (docs/compile_time.md), but each distinct length compiles in full.
 
-    ``regions``: compile each class of alike decoder layers once (autosp.outline: PyTorch's
-    ``invoke_subgraph`` after the SP rewrite), so that compile time stops growing with depth;
-    each layer recomputes what it recomputes flat. Experimental and off by default
-    (docs/compile_time.md). On PyTorch
-    2.13 and later, Dynamo also traces each class of repeated layers once: each numbered layer
+    ``regions``: ``"compile"`` compiles each class of alike decoder layers once
+    (autosp.outline: after the SP rewrite, layers whose nodes are alike, the same ops,
+    constants, wiring, and operands of the same kinds, shapes, strides and dtypes, each call
+    PyTorch's ``invoke_subgraph`` on one shared subgraph), so that the work of AOTAutograd and
+    Inductor stops growing with depth; each layer recomputes what it recomputes flat. Dynamo
+    still traces every layer. ``False`` (the default) compiles every layer in one flat graph.
+    ``True`` (experimental; docs/compile_time.md) also has Dynamo trace each class once: on
+    PyTorch 2.13 and later, each numbered layer
     (``layers.3``) whose class has two or more instances is given a subclass of its class with
     a ``nested_compile_region`` forward (autosp.dynamo_regions; ``.traced_once`` lists them).
     Where the forward writes state between layer calls (a module's attribute, a global), each
