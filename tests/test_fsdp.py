@@ -180,7 +180,10 @@ def _memory_worker(rank: int, world: int) -> dict[str, Any]:
         from autosp.shard import is_sharded
 
         assert is_sharded(model) == sharded
-        compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="sequence-aware")
+        # Flat both: a sharded model's layers are not outlined (each reads the mesh), and a
+        # region saves a little more than the flat graph (docs/compile_time.md).
+        compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="sequence-aware",
+                                  regions=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids, labels = make_batch(cfg.vocab_size, BATCH, SEQ, seed=0)
         saved: list[int] = []

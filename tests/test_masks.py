@@ -140,7 +140,9 @@ def _hf_case(mesh, tile_rows: str | None) -> dict:
     attention_mask = torch.ones(2, S_HF, dtype=torch.long)
     attention_mask[1, 35:] = 0  # right padding within rank 1's chunk
     labels = ids.masked_fill(attention_mask == 0, -100)
-    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none")
+    # Flat: the recorder below is a TorchDispatchMode, which PyTorch's invoke_subgraph (a
+    # layer's region, regions="compile") refuses without a rule for it.
+    compiled = autosp.compile(model, mesh=mesh, backend="aot_eager", remat="none", regions=False)
 
     square: list[tuple] = []
     masks: set[tuple] = set()  # shapes of the 4-d boolean tensors (the masks' tiles)

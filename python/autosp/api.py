@@ -176,7 +176,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
             check_inputs: str = "on_change", unsupported: str = "gather",
             tile_loss: bool = False, tile_mlp: bool = False,
             loss_chunks: int | None = None, dynamic: bool | None = None,
-            regions: bool | str = False) -> SequenceParallelModule:
+            regions: bool | str = "compile") -> SequenceParallelModule:
     """Compile ``model`` for exact Ulysses sequence parallelism over the mesh's "sp" axis.
 
     Every rank of an SP group must be called with the same full-length batch; the
@@ -243,12 +243,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     at 2 layers and 0.64x at 16 under Inductor, and about a third under aot_eager
     (docs/compile_time.md), but each distinct length compiles in full.
 
-    ``regions``: ``"compile"`` compiles each class of alike decoder layers once
+    ``regions``: ``"compile"`` (the default) compiles each class of alike decoder layers once
     (autosp.outline: after the SP rewrite, layers whose nodes are alike, the same ops,
     constants, wiring, and operands of the same kinds, shapes, strides and dtypes, each call
     PyTorch's ``invoke_subgraph`` on one shared subgraph), so that the work of AOTAutograd and
     Inductor stops growing with depth; each layer recomputes what it recomputes flat. Dynamo
-    still traces every layer. ``False`` (the default) compiles every layer in one flat graph.
+    still traces every layer. A layer that writes in place, reads the rank (dropout's random
+    draws), holds a complex tensor or makes a data-dependent size stays inline (below).
+    ``False`` compiles every layer in one flat graph (what ``autosp plan`` predicts; regions
+    hold up to about 2% more).
     ``True`` (experimental; docs/compile_time.md) also has Dynamo trace each class once: on
     PyTorch 2.13 and later, each numbered layer
     (``layers.3``) whose class has two or more instances is given a subclass of its class with
