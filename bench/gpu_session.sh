@@ -16,7 +16,9 @@
 #   0. gpu_sdpa_probe.py: the attention kernel PyTorch picks against autosp.cuda_kernels', and
 #      what CUDA's softmax backward allocates.
 #   3. compile_first_call.py --device cuda: first-call time of autosp against torch.compile of
-#      the hand-written Ulysses model (issue 12), cold and warm, 2 and 16 layers, Triton.
+#      the hand-written Ulysses model (issue 12), cold and warm, 2 and 16 layers, Triton;
+#      autosp flat (regions=False) and with autosp.compile's default, regions="compile" (the
+#      "-regions-every-layer" row; on torch 2.11 regions=True compiles the same, without reuse).
 #
 #     bash bench/gpu_session.sh checks     # 0-2, about 5 minutes on an H200
 #     bash bench/gpu_session.sh compile    # 3, about 6 minutes
@@ -62,9 +64,9 @@ fi
 if [ "$PART" != checks ]; then
 log "3: first-call compile time on CUDA, 2 layers"
 timeout 220 python3 bench/compile_first_call.py --device cuda --layers 2 \
-    --only handwritten-static,autosp-static,autosp-static-regions 2>&1 | tee "$OUT/compile2.log"
+    --only handwritten-static,autosp-static,autosp-static-regions-every-layer 2>&1 | tee "$OUT/compile2.log"
 log "3: first-call compile time on CUDA, 16 layers"
 timeout 180 python3 bench/compile_first_call.py --device cuda --layers 16 \
-    --only handwritten-static,autosp-static-regions 2>&1 | tee "$OUT/compile16.log"
+    --only handwritten-static,autosp-static-regions-every-layer 2>&1 | tee "$OUT/compile16.log"
 fi
 log "done"
