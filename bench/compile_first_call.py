@@ -29,8 +29,8 @@ Face's ``LlamaModel`` does inside ``LlamaForCausalLM``: ``forward`` then breaks 
 ``torch.compile`` compiles the embedding, the head and the loss, the exchanges still eager.
 ``autosp-static-regions`` has Dynamo trace each class of
 layers once (autosp.dynamo_regions, PyTorch 2.13 and later); ``autosp-static-regions-every-layer``
-is ``regions="compile"``: the same outline, with Dynamo tracing every layer. ``floor`` is ``torch.compile`` of a one-op
-function (``sin``, forward and backward) in the same process set-up: the least any first call
+is ``regions="compile"``: the same outline, with Dynamo tracing every layer. ``floor`` is
+``torch.compile`` of a one-op function (``sin``, forward and backward) in the same process set-up: the least any first call
 of ``torch.compile`` costs on this machine (Dynamo, AOTAutograd and Inductor's start-up, cache
 lookups, one kernel), against which the other rows' compile work is what lies above it.
 ``floor-precompile`` is the same function through PyTorch's precompile: cold,

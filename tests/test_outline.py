@@ -159,8 +159,8 @@ def test_interleaved_layer_is_gathered_and_outlined() -> None:
 
 
 @pytest.mark.parametrize("interloper,why", [
-    ("inplace", "writes in place (nothing is moved across it)"), ("random", "may not move"), ("bernoulli", "may not move"),
-    ("other-layer", "interleaved with layers.1")])
+    ("inplace", "writes in place (nothing is moved across it)"), ("random", "may not move"),
+    ("bernoulli", "may not move"), ("other-layer", "interleaved with layers.1")])
 def test_layer_that_cannot_be_gathered_stays_inline(interloper: str, why: str) -> None:
     """An in-place write or a random draw between layer 0's nodes would change meaning if
     moved, and a node of layer 1 on a path between layer 0's nodes cannot leave the run: layer 0
