@@ -248,8 +248,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, *, seq_dim: int = 1, remat: Any 
     constants, wiring, and operands of the same kinds, shapes, strides and dtypes, each call
     PyTorch's ``invoke_subgraph`` on one shared subgraph), so that the work of AOTAutograd and
     Inductor stops growing with depth; each layer recomputes what it recomputes flat. Dynamo
-    still traces every layer. A layer that writes in place, reads the rank (dropout's random
-    draws), holds a complex tensor or makes a data-dependent size stays inline (below).
+    still traces every layer. A layer that writes in place, holds a complex tensor or makes a
+    data-dependent size stays inline (below); one that reads the rank (dropout's full-length
+    draws, a mask sliced from a buffer) takes it as an operand of the shared subgraph.
     ``False`` compiles every layer in one flat graph (what ``autosp plan`` predicts; regions
     hold up to about 2% more).
     ``True`` (experimental; docs/compile_time.md) also has Dynamo trace each class once: on

@@ -1,4 +1,5 @@
-"""Compiling a decoder layer once (``autosp.compile(..., regions=True)``, experimental).
+"""Compiling a decoder layer once (``autosp.compile``'s default ``regions="compile"``, and
+``regions=True``).
 
 After the SP rewrite, the layers of the applied graph that are node for node alike (same ops,
 same constants, same wiring, operands of the same kinds and shapes) are each replaced by a call of
@@ -7,13 +8,14 @@ and partitions that subgraph once (with autosp's partition function, on the regi
 graph), and Inductor lowers and generates its kernels once, so the compile's work stops growing
 with depth (docs/regional_compile.md).
 
-A layer's nodes are first gathered into one contiguous run (``autosp.outline_gather``). It stays inline, with
-the reason recorded, when that would move a node that writes in place or draws random numbers,
-when its nodes are interleaved with another layer's, when an operand is neither a tensor nor a
-symbolic int, when it reads a module attribute, writes in place, or hands on a value that may
-alias an operand (a view, ``view_as``, a collective's wait): PyTorch assumes a region's outputs
-alias nothing, and checks none of it. The compile of a graph with regions turns off Inductor's
-buffer reuse (autosp.remat.compile_joint), which that assumption broke.
+A layer's nodes are first gathered into one contiguous run (``autosp.outline_gather``). It
+stays inline, with the reason recorded, when that would move a node that writes in place or
+draws random numbers, when its nodes are interleaved with another layer's, when an operand is
+neither a tensor, a symbolic int nor the rank, when it reads a module attribute, writes in
+place, or hands on a value that may alias an operand (a view, ``view_as``, a collective's
+wait): PyTorch assumes a region's outputs alias nothing, and checks none of it. The compile of
+a graph with regions turns off Inductor's buffer reuse (autosp.remat.compile_joint), which
+that assumption broke.
 
 Remat stays per layer. ``"sequence-aware"`` chooses the matmuls to recompute over every layer,
 and its allowance can end part-way through them: layers whose choices then differ call
@@ -34,6 +36,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from autosp.apply import RANK_INPUT
 from autosp.bridge import writes_in_place
 from autosp.ops import may_alias_call
 from autosp.outline_gather import contexts, gather, numbered_layers, op_name
@@ -116,6 +119,10 @@ def _operand_kind(node: fx.Node) -> Any:
         # ints. Layers handed different sizes (S - 7 * i) shared one subgraph and all ran with
         # one layer's (breaker helper-80); one with an equal expression has an equal value.
         return ("symint", str(v.node.expr))
+    if node.op == "placeholder" and node.target == RANK_INPUT:
+        # The rank, which a static compile hands the graph as a symbol of its own
+        # (autosp.shared_compile.rank_symbol): one value for every layer of a call.
+        return ("rank",)
     return None
 
 
@@ -186,7 +193,7 @@ class _Region:
                 return f"it makes a data-dependent size ({n.name})"
         for a in self.operands:
             if _operand_kind(a) is None:
-                return f"its operand {a.name} is neither a tensor nor a symbolic int"
+                return f"its operand {a.name} is neither a tensor, a symbolic int nor the rank"
         for n in self.operands + self.nodes:
             v = _value(n)
             if isinstance(v, torch.Tensor) and v.is_complex():

@@ -53,9 +53,14 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     """Makes one layer's nodes a contiguous run, in place. Between its first and last node,
     what lies on a path between two of its nodes (SP glue without a module), or is read by it
     alone (an inserted size), joins it; what else it does not depend on moves before it (the
-    rotary table); what depends on it but feeds none of it moves after it. Returns the run, or why there is none."""
+    rotary table); what depends on it but feeds none of it moves after it; its last nodes that
+    hang off it past other modules' nodes join its end (:func:`_hanging`). Returns the run, or
+    why there is none."""
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
+    hanging = _hanging(order, pos, members)
+    if hanging:
+        members = members[:len(members) - len(hanging)]
     span = order[pos[members[0]]: pos[members[-1]] + 1]
     mset = set(members)
     down: set[fx.Node] = set()
@@ -78,7 +83,7 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     before = [n for n in span if n not in down and n not in inside]
     after = [n for n in span if n in down and n not in up]
     if not before and not after:
-        return run, ""
+        return _join(run, hanging), ""
     # Moving a node across a write in place can change what it reads: the write may reach
     # it through a view the graph does not connect (breaker helper-82: a helper's node read
     # the layer's input through a view, moved before the layer's x.mul_, and the step was
@@ -98,7 +103,45 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     anchor = order[pos[members[-1]] + 1]
     for n in before + run + after:
         anchor.prepend(n)
-    return run, ""
+    return _join(run, hanging), ""
+
+
+def _hanging(order: list[fx.Node], pos: dict[fx.Node, int], members: list[fx.Node]
+             ) -> list[fx.Node]:
+    """The layer's last nodes that hang off it after other modules' nodes: each movable, read
+    by none of the layer's nodes, and reading only the layer's nodes or what comes before
+    the layer. The SP rewrite's gather of a value the graph returns takes the layer's module
+    path but sits before the graph's output: a Hugging Face model with ``use_cache=True`` returns
+    each layer's keys and values, and every layer but the last spanned the rest of the graph.
+    They join the end of the layer's run (:func:`_join`), unless that would move one across a
+    write in place."""
+    mset = set(members)
+    hanging: list[fx.Node] = []
+    for m in reversed(members[1:]):
+        if not movable(m) or any(u in mset for u in m.users):
+            break
+        hanging.append(m)
+    hanging.reverse()
+    core = members[:len(members) - len(hanging)]
+    if not hanging or pos[hanging[-1]] - pos[core[-1]] == len(hanging):
+        return []  # none, or already next to the layer
+    first, core_set = pos[core[0]], set(core)
+    if any(a not in core_set and a not in hanging and pos[a] >= first
+           for h in hanging for a in h.all_input_nodes):
+        return []
+    between = order[pos[core[-1]] + 1: pos[hanging[-1]]]
+    if any(writes_in_place(n) for n in between):
+        return []
+    return hanging
+
+
+def _join(run: list[fx.Node], hanging: list[fx.Node]) -> list[fx.Node]:
+    """Moves the :func:`_hanging` nodes to right after ``run``, in their order."""
+    prev = run[-1]
+    for h in hanging:
+        prev.append(h)
+        prev = h
+    return run + hanging
 
 
 def contexts(graph: fx.Graph) -> dict[fx.Node, tuple]:
