@@ -403,9 +403,9 @@ def make_inputs(spec: ModelSpec, seed: int) -> tuple[torch.Tensor, ...]:
 # Running specs inside ranks.
 
 
-def run_spec(spec: ModelSpec, mesh=None, regions: bool = False) -> dict:
+def run_spec(spec: ModelSpec, mesh=None, regions: bool | str | None = None) -> dict:
     """Classifies one spec (call inside a rank of run_ranks with world_size == spec.world_size),
-    compiled with ``autosp.compile(..., regions=regions)``."""
+    compiled with ``autosp.compile(..., regions=regions)`` (None: autosp.compile's default)."""
     import styles
 
     # The single-device model must run at all, or the generator made a bad model.
@@ -426,7 +426,7 @@ def run_spec(spec: ModelSpec, mesh=None, regions: bool = False) -> dict:
 
 
 def run_specs_worker(rank: int, world_size: int, spec_list: list[ModelSpec],
-                     regions: bool = False) -> list[dict]:
+                     regions: bool | str | None = None) -> list[dict]:
     """run_ranks target: every spec in one spawn (one mesh); results in order."""
     import time
     import warnings

@@ -976,9 +976,10 @@ def run_case(name: str, build: Callable[[], nn.Module],
              model_seed: int = 1234, batch_seeds: tuple[int, ...] = (11, 12),
              loss_atol: float = 1e-5, grad_rtol: float = 1e-4, mesh=None,
              backend: str = "aot_eager", remat: str = "none", unsupported: str = "gather",
-             regions: bool = False, dynamic: bool | None = None) -> dict:
+             regions: bool | str | None = None, dynamic: bool | None = None) -> dict:
     """Builds the model (same weights on every rank), compiles it for SP (aot_eager, no
-    remat, unless told otherwise) and runs ``len(batch_seeds)`` steps against the single-device model.
+    remat, ``regions`` as autosp.compile's default when None, unless told otherwise) and runs
+    ``len(batch_seeds)`` steps against the single-device model.
 
     Returns ``{"name", "outcome", "detail", ...}``: outcome ``exact``; ``autosp_error``
     (an AutospError, message in detail); ``mismatch`` (ran, but the loss or a gradient
@@ -1007,8 +1008,9 @@ def run_case(name: str, build: Callable[[], nn.Module],
             torch.manual_seed(model_seed)
             model = build()
         ref_model = __import__("copy").deepcopy(model)
+        given = {} if regions is None else {"regions": regions}
         compiled = autosp.compile(model, mesh=mesh, seq_dim=1, remat=remat, backend=backend,
-                                  unsupported=unsupported, regions=regions, dynamic=dynamic)
+                                  unsupported=unsupported, dynamic=dynamic, **given)
         for step, seed in enumerate(batch_seeds):
             args = inputs(seed, seq_len)
             ref_loss, ref_grads = _ref_loss_and_grads(ref_model, args)
@@ -1021,7 +1023,7 @@ def run_case(name: str, build: Callable[[], nn.Module],
             loss.backward()
             result["gathered"] = compiled.gathered
             result["tiled_masks"] = compiled.tiled_masks
-            if regions and compiled.last_compile is not None:  # what regions did, per step
+            if regions is not False and compiled.last_compile is not None:  # regions, per step
                 result.setdefault("outlined", []).append(list(compiled.last_compile.outlined))
                 result.setdefault("traced_once", []).append(compiled.last_compile.traced_once)
             errs = relative_grad_errors(grads_of(model), ref_grads)

@@ -50,12 +50,13 @@ def draw_specs(world_size: int, n: int, layers: int | None = None) -> list[model
     return collected
 
 
-def run_generated(counts: dict[int, int], regions: bool = False) -> list[dict]:
-    """The first specs drawn per world size, ``counts[world]`` of them (with ``regions``, only
-    specs of two layers: a region needs alike layers), each run as ``run_specs_worker`` does."""
+def run_generated(counts: dict[int, int], regions: bool | str | None = None) -> list[dict]:
+    """The first specs drawn per world size, ``counts[world]`` of them (with ``regions=True``,
+    only specs of two layers: a region needs alike layers), each run as ``run_specs_worker``
+    does (None: autosp.compile's default)."""
     results: list[dict] = []
     for world_size, n in counts.items():
-        specs = draw_specs(world_size, n, layers=2 if regions else None)
+        specs = draw_specs(world_size, n, layers=2 if regions is True else None)
         for start in range(0, len(specs), CHUNK):
             chunk = specs[start : start + CHUNK]
             per_rank = run_ranks(world_size, model_gen.run_specs_worker, chunk, regions,
