@@ -109,7 +109,7 @@ def test_remat_auto_picks_the_cheapest_fit_exactly_and_alike_on_every_rank() -> 
       with an attention mask, whose trace has two symbols for S).
     - remat="auto" on a CPU model without Auto(memory=...), with the raw backend, and bad
       Auto fields are clear errors."""
-    results = run_ranks(2, _worker)
+    results = run_ranks(2, _worker, timeout=400)  # 60 s on a quiet machine
     for rank, r in enumerate(results):
         where = f"rank {rank}"
         loss, ref_loss, chosen = r["no_grad"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from distributed import (assert_grads_close, build_model, dp_mean_reference, grads_of, make_batch,
                          run_ranks, tiny_config)
 
@@ -28,6 +30,10 @@ def _dp_worker(rank: int, world: int) -> dict[str, Any]:
             "ref_grads": ref_grads}
 
 
+# The same sp 2 x dp 2 mesh, model, batches and reference run by default in
+# test_model_state.py::test_parameters_unfrozen_or_replaced_after_the_compile_are_averaged_over_dp
+# (its first step checks every gradient against the dp mean).
+@pytest.mark.slow
 def test_dp_times_sp_averages_over_dp() -> None:
     for r in run_ranks(4, _dp_worker):
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))

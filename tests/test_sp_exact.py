@@ -177,14 +177,19 @@ def test_sp_exact_world2_aot_eager() -> None:
 
 
 def test_sp_exact_world4_aot_eager() -> None:
-    """P=4: GQA with kv < P, 2 KV heads and 1 KV head (MHA runs at P=2 and with
-    Inductor), and 2 query heads (attention on the gathered sequence); sequence-aware remat."""
+    """P=4: GQA with kv < P, 2 KV heads (MHA runs at P=2 and with Inductor; 1 KV head, the same
+    repeat of the KV heads, with -m slow below), and 2 query heads (attention on the gathered
+    sequence); sequence-aware remat."""
     world_size = 4
-    results = run_ranks(
-        world_size, _sp_exact_worker, [GQA_KV2, GQA_KV1, HEADS2_KV1], 32, "aot_eager",
-        "sequence-aware"
-    )
+    results = run_ranks(world_size, _sp_exact_worker, [GQA_KV2, HEADS2_KV1], 32, "aot_eager",
+                        "sequence-aware")
     _check_results(results, world_size)
+
+
+@pytest.mark.slow
+def test_sp_exact_world4_one_kv_head_aot_eager() -> None:
+    results = run_ranks(4, _sp_exact_worker, [GQA_KV1], 32, "aot_eager", "sequence-aware")
+    _check_results(results, 4)
 
 
 @pytest.mark.slow  # 41 s of C++ codegen; see the docstring for the default suite's Inductor runs
