@@ -58,7 +58,7 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     why there is none."""
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
-    hanging = _hanging(order, pos, members)
+    hanging = _hanging(graph, order, pos, members)
     if hanging:
         members = members[:len(members) - len(hanging)]
     span = order[pos[members[0]]: pos[members[-1]] + 1]
@@ -106,15 +106,17 @@ def gather(graph: fx.Graph, layer: str, members: list[fx.Node],
     return _join(run, hanging), ""
 
 
-def _hanging(order: list[fx.Node], pos: dict[fx.Node, int], members: list[fx.Node]
-             ) -> list[fx.Node]:
+def _hanging(graph: fx.Graph, order: list[fx.Node], pos: dict[fx.Node, int],
+             members: list[fx.Node]) -> list[fx.Node]:
     """The layer's last nodes that hang off it after other modules' nodes: each movable, read
     by none of the layer's nodes, and reading only the layer's nodes or what comes before
     the layer. The SP rewrite's gather of a value the graph returns takes the layer's module
     path but sits before the graph's output: a Hugging Face model with ``use_cache=True`` returns
     each layer's keys and values, and every layer but the last spanned the rest of the graph.
     They join the end of the layer's run (:func:`_join`), unless that would move one across a
-    write in place."""
+    write in place or into another autocast or grad mode (breaker helper-86: the layer's module
+    called again after the loop under ``torch.no_grad()`` was moved out of it, and its gradients
+    were wrong although the layer then stayed inline)."""
     mset = set(members)
     hanging: list[fx.Node] = []
     for m in reversed(members[1:]):
@@ -131,6 +133,9 @@ def _hanging(order: list[fx.Node], pos: dict[fx.Node, int], members: list[fx.Nod
         return []
     between = order[pos[core[-1]] + 1: pos[hanging[-1]]]
     if any(writes_in_place(n) for n in between):
+        return []
+    mode = contexts(graph)
+    if any(mode[h] != mode[core[-1]] for h in hanging):
         return []
     return hanging
 
