@@ -78,12 +78,12 @@ class _TransposedDropped(_Dropped):
         return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
-def _attention_dropped() -> nn.Module:
+def _attention_dropped(layers: int = 1) -> nn.Module:
     """nanoGPT with attention written by hand and dropout on the attention probabilities,
     which autosp computes split by heads (the mask: this rank's heads of the full draw)."""
     import styles
 
-    model = styles.NanoGPT(n_layer=1, flash=False, vocab_size=16)
+    model = styles.NanoGPT(n_layer=layers, flash=False, vocab_size=16)
     for block in model.transformer.h:
         block.attn.attn_dropout.p = 0.2
     return model

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import styles
 from distributed import assert_grads_close, grads_of, run_ranks
+from test_dropout import _attention_dropped, _train_two_steps
 
 SEQ = 16
 
@@ -47,15 +48,6 @@ CASES = {
                                                           n_layers=2), styles.ids_labels),
     "alibi-bias": (lambda: styles.AlibiLM(n_layers=2), styles.ids_labels),
 }
-
-
-def _attention_dropped(layers: int) -> nn.Module:
-    """nanoGPT with attention by hand and dropout on the attention probabilities (the mask:
-    this rank's heads of a full-length draw)."""
-    model = styles.NanoGPT(n_layer=layers, flash=False, vocab_size=16)
-    for block in model.transformer.h:
-        block.attn.attn_dropout.p = 0.2
-    return model
 
 
 def _styles_worker(rank: int, world: int) -> list[dict]:
@@ -86,21 +78,7 @@ def _dropout_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _attention_dropped(2)
     compiled = autosp.compile(model, mesh=autosp.init_mesh(world), backend="aot_eager")
-    steps = []
-    for step in range(2):
-        gen = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, 16, (2, 32), generator=gen)
-        labels = torch.randint(0, 16, (2, 32), generator=gen)
-        ref = copy.deepcopy(model)
-        torch.manual_seed(100 + step)  # the same draws on one device as on the ranks
-        ref_loss = ref(ids, labels)
-        ref_loss.backward()
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + step)
-        loss = compiled(ids, labels)
-        loss.backward()
-        steps.append({"loss": loss.item(), "ref_loss": ref_loss.item(), "grads": grads_of(model),
-                      "ref_grads": grads_of(ref)})
+    steps = _train_two_steps(model, compiled)  # the draws reseeded alike on one device
     return {"steps": steps, "outlined": list(compiled.last_compile.outlined)}
 
 
