@@ -97,7 +97,10 @@ def _worker(rank: int, world: int, regions: bool) -> dict[str, Any]:
     return out
 
 
+# regions=True is opt-in (autosp.compile's and the trainer's default is "compile"): its
+# rounds run with -m slow; the default suite keeps the fast guards of autosp.dynamo_regions.
 @pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
+@pytest.mark.slow
 def test_state_changed_on_one_layer_after_the_first_call_is_seen_with_regions() -> None:
     decoder_layer.check_exact(run_ranks(2, _worker, True))
 

@@ -108,6 +108,9 @@ def _change_worker(rank: int, world: int, regions: bool, cases: list[str]) -> di
 DEFAULT_CHANGES = ["flag", "slope", "eval", "class"]
 
 
+# regions=True is opt-in (autosp.compile's and the trainer's default is "compile"): its
+# rounds run with -m slow; the default suite keeps the fast guards of autosp.dynamo_regions.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*tracing every layer instead")
 def test_a_plain_value_changed_on_one_layer_after_the_first_call_is_seen() -> None:
     decoder_layer.check_exact(run_ranks(2, _change_worker, True, DEFAULT_CHANGES))
@@ -176,6 +179,7 @@ def _train_eval_worker(rank: int, world: int) -> dict[str, Any]:
     return {"steps": steps, "eval": evals, "traced_once": list(compiled.traced_once)}
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error:.*tracing every layer instead")
 def test_model_eval_and_train_keep_the_layers_traced_once() -> None:
     """The whole model put in eval mode and back (a validation pass) changes every layer alike:
@@ -228,7 +232,9 @@ def _sized_worker(rank: int, world: int, reuse: bool) -> dict[str, Any]:
     return {"steps": [decoder_layer.step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
 
 
-@pytest.mark.parametrize("reuse", [True, False], ids=["traced-once", "outline-only"])
+# The outline alone (reuse off: what regions="compile" runs) stays in the default suite.
+@pytest.mark.parametrize("reuse", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["traced-once", "outline-only"])
 def test_layers_handed_different_sizes_do_not_share_a_subgraph(reuse: bool) -> None:
     for out in run_ranks(2, _sized_worker, reuse):
         decoder_layer.check_exact([{"sized": out["steps"]}])
@@ -265,7 +271,9 @@ def _strided_worker(rank: int, world: int, reuse: bool) -> dict[str, Any]:
     return {"steps": [decoder_layer.step(compiled, model, ref, 1)], "outlined": compiled.last_compile.outlined}
 
 
-@pytest.mark.parametrize("reuse", [True, False], ids=["traced-once", "outline-only"])
+# The outline alone (reuse off: what regions="compile" runs) stays in the default suite.
+@pytest.mark.parametrize("reuse", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["traced-once", "outline-only"])
 def test_a_layer_handed_other_strides_does_not_share_the_subgraph(reuse: bool) -> None:
     for out in run_ranks(2, _strided_worker, reuse):
         decoder_layer.check_exact([{"strided": out["steps"]}])

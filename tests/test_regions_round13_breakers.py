@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, regions: bool | str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("regions", ["compile", True])
+@pytest.mark.parametrize("regions", ["compile", pytest.param(True, marks=pytest.mark.slow)])
 def test_round_13_cases_are_exact_with_regions(regions: bool | str) -> None:
     decoder_layer.check_exact(run_ranks(2, _worker, regions))
 

@@ -105,6 +105,9 @@ def _check_exact(per_rank: list[dict[str, Any]]) -> None:
             assert errors[worst] <= 1e-4, (rank, kind, worst, errors[worst])
 
 
+# regions=True is opt-in (autosp.compile's and the trainer's default is "compile"): its
+# rounds run with -m slow; the default suite keeps the fast guards of autosp.dynamo_regions.
+@pytest.mark.slow
 def test_a_parameter_subclass_on_one_layer_is_exact_with_regions() -> None:
     """Layer 1's weight a ``Tagged`` or ``FakeQuant`` parameter: exact, and layer 1 is compiled
     apart from layers 0 and 2 (which still share one subgraph)."""

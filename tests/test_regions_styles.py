@@ -43,6 +43,9 @@ def _check(names: list[str]) -> None:
     assert not bad, "\n".join(bad)
 
 
+# regions=True is opt-in (autosp.compile's and the trainer's default is "compile"): its
+# rounds run with -m slow; the default suite keeps the fast guards of autosp.dynamo_regions.
+@pytest.mark.slow
 def test_found_styles_exact_with_regions() -> None:
     _check(FOUND)
 

@@ -45,6 +45,26 @@ def test_file_then_flags_dotted_and_flat(tmp_path: Path) -> None:
         _parse(["--offload-optimizer", "--fsdp"])
 
 
+def test_regions_take_autosp_compiles_modes_by_name(tmp_path: Path) -> None:
+    """training.regions names autosp.compile's regions modes; its default is autosp.compile's;
+    TOML's booleans name False and True."""
+    assert C.load(None).training.regions == "compile"
+    assert C.REGION_MODES == {"false": False, "compile": "compile", "true": True}
+    import inspect
+    import autosp
+    assert C.REGION_MODES[C.TrainConfig().training.regions] == \
+        inspect.signature(autosp.compile).parameters["regions"].default
+    f = tmp_path / "run.toml"
+    for toml, name in (("true", "true"), ("false", "false"), ('"compile"', "compile")):
+        f.write_text(f"[training]\nregions = {toml}\n")
+        assert C.load(str(f)).training.regions == name
+        assert C.load(C.save(C.load(str(f)), str(tmp_path / name))).training.regions == name
+    assert _parse(["--regions", "false"]).training.regions == "false"
+    assert _parse(["--training.regions", "true"]).training.regions == "true"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _parse(["--regions", "flat"])
+
+
 def test_saved_config_reloads_equal(tmp_path: Path) -> None:
     cfg = _parse(["--seq-len", "64", "--hf-config", 'a "quoted" \\ path', "--dtype", "bfloat16"])
     path = C.save(cfg, str(tmp_path / "out"))
@@ -57,6 +77,8 @@ def test_saved_config_reloads_equal(tmp_path: Path) -> None:
     ("[training]\nsteps = 1.5\n", "training.steps", "expected int"),
     ("[training]\nsteps = true\n", "training.steps", "expected int"),
     ("[training]\nremat = \"fast\"\n", "training.remat", "expected one of"),
+    ("[training]\nregions = \"flat\"\n", "training.regions", "expected one of ['false', 'compile', 'true']"),
+    ("[training]\nregions = 1\n", "training.regions", "expected str"),
     ("[training\n", "not valid TOML", ""),
 ])
 def test_config_errors_name_the_key(tmp_path: Path, text: str, key: str, expected: str) -> None:

@@ -19,7 +19,13 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from autosp.api import REGIONS
 from autosp.errors import AutospError
+
+#: training.regions' values: autosp.compile's ``regions`` modes by name, False and True spelled
+#: as TOML's booleans (a TOML ``true`` or ``false`` is taken as its name).
+REGION_MODES: dict[str, bool | str] = {
+    ("true" if mode is True else "false" if mode is False else str(mode)): mode for mode in REGIONS}
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, flat: str | None = None) -> Any:
@@ -103,9 +109,11 @@ class TrainingConfig:
     tile_mlp: bool = _f(False, "run each MLP a chunk of tokens at a time, recomputed in backward, "
                                "so that its [tokens, ffn] intermediates never exist whole "
                                "(autosp.compile(tile_mlp=True); exact)")
-    regions: bool = _f(True, "compile each class of alike decoder layers once (autosp.compile("
-                             "regions=True): the first step's compile stops growing with depth; "
-                             "exact. false: every layer compiled in one flat graph")
+    regions: str = _f("compile", "how alike decoder layers compile (autosp.compile(regions=...)): "
+                                 "'compile' compiles each class of alike layers once, so the "
+                                 "first step's compile stops growing with depth (exact); 'true' "
+                                 "also has Dynamo trace each class once (experimental); 'false' "
+                                 "compiles every layer in one flat graph", tuple(REGION_MODES))
     check: bool = _f(False, "at the end, compare the first step's loss and the norm of its "
                             "gradient with the plain model on one device (exit 1 on mismatch)")
     check_atol: float = _f(1e-4, "tolerance of check on |loss_sp - loss_single_device|")
@@ -300,12 +308,14 @@ def _set(cfg: TrainConfig, section: str, name: str, value: Any, where: str) -> N
         raise ConfigError(f"[autosp:train] {where}: no such key; [{section}] has "
                           f"{sorted(hints)}")
     typ = hints[name]
+    choices = next(f.metadata.get("choices") for f in dataclasses.fields(sec) if f.name == name)
+    if typ is str and isinstance(value, bool) and choices and {"true", "false"} <= set(choices):
+        value = "true" if value else "false"  # regions = true in TOML
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"[autosp:train] {where}: found {value!r} ({type(value).__name__}); "
                           f"expected {typ.__name__}")
-    choices = next(f.metadata.get("choices") for f in dataclasses.fields(sec) if f.name == name)
     if choices and value not in choices:
         raise ConfigError(f"[autosp:train] {where}: found {value!r}; expected one of {list(choices)}")
     setattr(sec, name, value)

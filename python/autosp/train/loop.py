@@ -154,7 +154,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
                               tile_mlp=t.tile_mlp,
                               loss_chunks=t.loss_chunks if t.tile_loss and t.loss_chunks else None,
                               dynamic=False,  # every batch is [batch_size, seq_len]
-                              regions=t.regions)
+                              regions=config_mod.REGION_MODES[t.regions])
     if t.offload_optimizer:  # fp32 master weights and AdamW's state on the host
         optimizer = autosp.OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=t.lr,
                                             weight_decay=t.weight_decay)
@@ -176,7 +176,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
               f"{n_params / 1e6:.2f}M parameters{' sharded over all ranks' if cfg.parallel.fsdp else ''}, "
               f"seq_len {t.seq_len}, batch {t.batch_size} x {t.grad_accum} accumulated, backend "
               f"{t.backend}, remat {t.remat if t.remat_budget_gib <= 0 else f'budget {t.remat_budget_gib:g} GiB'}"
-              f"{', offload all' if t.offload_all else ', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}{', regions' if t.regions else ''}"
+              f"{', offload all' if t.offload_all else ', offload' if t.offload else ''}{', tiled loss' if t.tile_loss else ''}{', tiled mlp' if t.tile_mlp else ''}{'' if t.regions == 'false' else f', regions {t.regions}'}"
               f"{', optimizer offloaded to the host' if t.offload_optimizer else ''}"
               f"{attention_note(model)}, "
               f"device {device.type}", flush=True)
