@@ -16,6 +16,7 @@ and backend="aot_eager"; each spawn covers several cases to keep the file fast.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from typing import Any
 
@@ -80,6 +81,25 @@ class FixedLengthLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return (self.embed(input_ids).transpose(1, 2) @ self.mix).sum()
+
+
+class BlockSizeMaskLM(nn.Module):
+    """minGPT's attention by hand: a causal mask buffer of block_size, sliced to the length.
+    Called at T == block_size, the slice is the whole buffer and Dynamo fixes T (the slice is
+    contiguous only at that length)."""
+
+    def __init__(self, block_size: int, vocab: int = 64, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size))
+                             .view(1, 1, block_size, block_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        T = x.size(1)
+        att = (x @ x.transpose(-2, -1)).unsqueeze(1)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        return (att.softmax(-1).squeeze(1) @ x).sum()
 
 
 def _causal(b: int, s: int) -> torch.Tensor:
@@ -439,6 +459,9 @@ def _setup_worker(rank: int, world: int) -> dict[str, Any]:
     torch._dynamo.reset()
     fixed = autosp.compile(FixedLengthLM(hidden=SEQ), mesh, backend="aot_eager", remat="none")
     out["fixed_length"] = _outcome(lambda: fixed(ids))
+    torch._dynamo.reset()
+    block = autosp.compile(BlockSizeMaskLM(block_size=SEQ), mesh, backend="aot_eager", remat="none")
+    out["block_size"] = _outcome(lambda: block(ids))
 
     llama = autosp.compile(build_model(cfg), mesh, backend="aot_eager", remat="none")
     dist.destroy_process_group()
@@ -464,6 +487,13 @@ def test_setup_errors_and_masks() -> None:
         assert msg.startswith(f"[autosp:bridge] found the inputs L['input_ids'] (length {SEQ}) with a "
                               "fixed length in dim 1; expected token ids"), msg
         assert "a matmul contracting the sequence with a weight" in msg, msg
+        # ... and the user's line where Dynamo fixed it (from the trace's shape guards).
+        assert re.search(r"Dynamo fixed it at test_guardrails\.py:\d+ in forward: return "
+                         r"\(self\.embed\(input_ids\)\.transpose\(1, 2\) @ self\.mix\)", msg), msg
+        kind, msg = out["block_size"]
+        assert kind == "AutospError" and "fixed length in dim 1" in msg, out["block_size"]
+        assert re.search(r"Dynamo fixed it at test_guardrails\.py:\d+ in forward: att = "
+                         r"att\.masked_fill\(self\.bias\[:, :, :T, :T\]", msg), msg
         for case, tag in (("forward_destroyed", "forward"), ("compile_destroyed", "compile")):
             kind, msg = out[case]
             assert kind == "AutospError", out[case]

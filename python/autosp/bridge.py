@@ -21,7 +21,7 @@ import torch.fx as fx
 from autosp import _core
 from autosp.canon import _REDUCTIONS, _example, _flatten_args, _is_tensor_node, _tensor_inputs, canonicalize
 from autosp.errors import AutospError, at_node
-from autosp.fx_source import input_name, module_path, source_loc
+from autosp.fx_source import input_name, module_path, source_loc, where_size_fixed
 from autosp.ops import is_pointwise
 
 ArgPath = tuple  # ("args", i) | ("args", i, j) | ("kwargs", name) | ("kwargs", name, j)
@@ -356,8 +356,11 @@ def fx_to_core(gm: fx.GraphModule, example_inputs: list[Any], seq_dim: int = 1) 
                if static else
                " autosp.compile marks it dynamic for you; if you call torch.compile with "
                "autosp.backend directly, call torch._dynamo.mark_dynamic(input_ids, seq_dim) first.")
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        where = where_size_fixed(inputs, seq_dim) if static else ""
+        at = f" Dynamo fixed it at {where}." if where else ""
         raise AutospError(
             f"[autosp:bridge] {found}; expected token ids (or embeddings) whose dim {seq_dim} is "
-            f"the sequence, with a length that can vary.{why}"
+            f"the sequence, with a length that can vary.{at}{why}"
         )
     return result

@@ -72,3 +72,33 @@ def input_name(n: fx.Node) -> str:
     except (KeyError, AttributeError):
         return str(n.target)
     return str(name() if callable(name) else name)
+
+
+def where_size_fixed(inputs: list[fx.Node], dim: int) -> str:
+    """Where Dynamo fixed dim ``dim`` of one of the graph inputs ``inputs`` to a constant while
+    tracing: the user's source line of the first shape guard that equates it with a number,
+    else "". Read from the trace's ShapeEnv, which keeps each guard with its location
+    (torch._guards.ShapeGuard)."""
+    from torch._guards import detect_fake_mode
+
+    def name(source: Any) -> str:
+        return str(source.name() if callable(source.name) else source.name)
+
+    fake = detect_fake_mode([n.meta.get("example_value", n.meta.get("val")) for n in inputs])
+    env = getattr(fake, "shape_env", None)
+    if env is None:
+        return ""
+    wanted = {f"{input_name(n)}.size()[{dim}]" for n in inputs}
+    fixed = {sym for sym, sources in getattr(env, "var_to_sources", {}).items()
+             if any(name(s) in wanted for s in sources)
+             and getattr(env.replacements.get(sym), "is_number", False)}
+    for guard in getattr(env, "guards", []):
+        expr = getattr(guard, "expr", None)
+        if type(expr).__name__ == "Equality" and expr.free_symbols & fixed:
+            loc = str(getattr(guard.sloc, "maybe_user_loc", None) or guard.sloc).strip()
+            code, _, place = loc.rpartition("  # ")  # "code  # path:line in function"
+            path, colon, rest = place.partition(":")
+            place = (path.split("site-packages/")[-1] if "site-packages/" in path
+                     else os.path.basename(path)) + colon + rest  # as source_loc names a file
+            return f"{place}: {code.strip()}" if code else loc
+    return ""
