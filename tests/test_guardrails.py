@@ -102,6 +102,20 @@ class BlockSizeMaskLM(nn.Module):
         return (att.softmax(-1).squeeze(1) @ x).sum()
 
 
+class TokenMixLM(nn.Module):
+    """An MLP-Mixer's token mixing, nn.Linear(S, S) over the sequence: Dynamo fixes the length
+    inside torch's F.linear; the error names the user's line that calls the Linear (the
+    innermost frame outside torch)."""
+
+    def __init__(self, seq: int, vocab: int = 64, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.token_mix = nn.Linear(seq, seq)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.token_mix(self.embed(input_ids).transpose(1, 2)).sum()
+
+
 def _causal(b: int, s: int) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).contiguous()
 
@@ -462,6 +476,9 @@ def _setup_worker(rank: int, world: int) -> dict[str, Any]:
     torch._dynamo.reset()
     block = autosp.compile(BlockSizeMaskLM(block_size=SEQ), mesh, backend="aot_eager", remat="none")
     out["block_size"] = _outcome(lambda: block(ids))
+    torch._dynamo.reset()
+    mix = autosp.compile(TokenMixLM(seq=SEQ), mesh, backend="aot_eager", remat="none")
+    out["token_mix"] = _outcome(lambda: mix(ids))
 
     llama = autosp.compile(build_model(cfg), mesh, backend="aot_eager", remat="none")
     dist.destroy_process_group()
@@ -494,6 +511,10 @@ def test_setup_errors_and_masks() -> None:
         assert kind == "AutospError" and "fixed length in dim 1" in msg, out["block_size"]
         assert re.search(r"Dynamo fixed it at test_guardrails\.py:\d+ in forward: att = "
                          r"att\.masked_fill\(self\.bias\[:, :, :T, :T\]", msg), msg
+        kind, msg = out["token_mix"]
+        assert kind == "AutospError" and "fixed length in dim 1" in msg, out["token_mix"]
+        assert re.search(r"Dynamo fixed it at test_guardrails\.py:\d+ in forward: return "
+                         r"self\.token_mix\(self\.embed\(input_ids\)\.transpose\(1, 2\)\)\.sum\(\)\.", msg), msg
         for case, tag in (("forward_destroyed", "forward"), ("compile_destroyed", "compile")):
             kind, msg = out[case]
             assert kind == "AutospError", out[case]

@@ -52,6 +52,11 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
+def _file_name(path: str) -> str:
+    """A source file as errors name it: its path under site-packages, else its base name."""
+    return path.split("site-packages/")[-1] if "site-packages/" in path else os.path.basename(path)
+
+
 def source_loc(node: fx.Node) -> Any:
     """The innermost frame of the node's stack trace that is not inside torch itself."""
     loc = _core.SourceLoc()
@@ -59,7 +64,7 @@ def source_loc(node: fx.Node) -> Any:
     frames = [f for f in _FRAME.findall(trace) if not f[0].startswith(_TORCH_DIR)] or _FRAME.findall(trace)
     if frames:
         file, line, code = frames[-1]
-        loc.file = file.split("site-packages/")[-1] if "site-packages/" in file else os.path.basename(file)
+        loc.file = _file_name(file)
         loc.line = int(line)
         loc.code = code.strip()
     return loc
@@ -76,9 +81,17 @@ def input_name(n: fx.Node) -> str:
 
 def where_size_fixed(inputs: list[fx.Node], dim: int) -> str:
     """Where Dynamo fixed dim ``dim`` of one of the graph inputs ``inputs`` to a constant while
-    tracing: the user's source line of the first shape guard that equates it with a number,
-    else "". Read from the trace's ShapeEnv, which keeps each guard with its location
-    (torch._guards.ShapeGuard)."""
+    tracing, as ``"model.py:16 in forward: <the line>"``; "" where the trace did not record it.
+    Read from the trace's ShapeEnv: the user's stack where the length was specialised
+    (``specialization_stacks``, its innermost frame outside torch), else the place of the
+    replacement (``replacements_slocs``). Never raises: it only adds to an error message."""
+    try:
+        return _where_size_fixed(inputs, dim)
+    except Exception:  # noqa: BLE001 - an older or newer ShapeEnv; the error goes out without it
+        return ""
+
+
+def _where_size_fixed(inputs: list[fx.Node], dim: int) -> str:
     from torch._guards import detect_fake_mode
 
     def name(source: Any) -> str:
@@ -88,17 +101,27 @@ def where_size_fixed(inputs: list[fx.Node], dim: int) -> str:
     env = getattr(fake, "shape_env", None)
     if env is None:
         return ""
+    replacements = env.replacements
     wanted = {f"{input_name(n)}.size()[{dim}]" for n in inputs}
-    fixed = {sym for sym, sources in getattr(env, "var_to_sources", {}).items()
-             if any(name(s) in wanted for s in sources)
-             and getattr(env.replacements.get(sym), "is_number", False)}
-    for guard in getattr(env, "guards", []):
-        expr = getattr(guard, "expr", None)
-        if type(expr).__name__ == "Equality" and expr.free_symbols & fixed:
-            loc = str(getattr(guard.sloc, "maybe_user_loc", None) or guard.sloc).strip()
-            code, _, place = loc.rpartition("  # ")  # "code  # path:line in function"
-            path, colon, rest = place.partition(":")
-            place = (path.split("site-packages/")[-1] if "site-packages/" in path
-                     else os.path.basename(path)) + colon + rest  # as source_loc names a file
-            return f"{place}: {code.strip()}" if code else loc
+    for sym, sources in env.var_to_sources.items():
+        if not any(name(s) in wanted for s in sources):
+            continue
+        chain = [sym]  # the symbol, and those it was merged into before one was fixed
+        while getattr(replacements.get(chain[-1]), "is_Symbol", False) and len(chain) < 64:
+            chain.append(replacements[chain[-1]])
+        if not getattr(replacements.get(chain[-1]), "is_number", False):
+            continue
+        stacks = getattr(env, "specialization_stacks", {})
+        for s in chain:
+            for source in env.var_to_sources.get(s, []):
+                frames = [f for f in stacks.get(source) or [] if not f.filename.startswith(_TORCH_DIR)]
+                if frames:
+                    f = frames[-1]
+                    code = (f.line or "").strip()
+                    return f"{_file_name(f.filename)}:{f.lineno} in {f.name}" + (f": {code}" if code else "")
+        loc = getattr(getattr(env, "replacements_slocs", {}).get(chain[-1]), "maybe_user_loc", None)
+        if loc:  # "code  # path:line in function", the path shortened by torch
+            code, _, place = str(loc).rpartition("  # ")
+            path, colon, rest = place.strip().partition(":")
+            return f"{_file_name(path)}{colon}{rest}" + (f": {code.strip()}" if code.strip() else "")
     return ""
