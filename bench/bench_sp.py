@@ -76,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--regions", nargs="?", const="true", default="false",
                         choices=("false", "compile", "true"),
                         help="autosp.compile(regions=...): 'compile' compiles each class of alike "
-                             "decoder layers once, 'true' (the flag alone; the trainer's default) "
+                             "decoder layers once, 'true' (the flag alone) "
                              "also has Dynamo trace it once")
     parser.add_argument("--models", default="autosp,handwritten",
                         help="comma-separated subset of autosp,handwritten to run")

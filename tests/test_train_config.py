@@ -61,6 +61,10 @@ def test_regions_take_autosp_compiles_modes_by_name(tmp_path: Path) -> None:
         assert C.load(C.save(C.load(str(f)), str(tmp_path / name))).training.regions == name
     assert _parse(["--regions", "false"]).training.regions == "false"
     assert _parse(["--training.regions", "true"]).training.regions == "true"
+    # A boolean's spellings, as when the field was a bool; the flag alone is "true".
+    for text, name in (("on", "true"), ("1", "true"), ("No", "false"), ("COMPILE", "compile")):
+        assert _parse(["--regions", text]).training.regions == name, text
+    assert _parse(["--regions"]).training.regions == "true"
     with pytest.raises(SystemExit):  # argparse names the choices
         _parse(["--regions", "flat"])
 

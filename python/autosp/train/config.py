@@ -220,6 +220,19 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, found {text!r}")
 
 
+def _names_bools(f: dataclasses.Field) -> bool:
+    """A str field whose choices include "true" and "false" (training.regions)."""
+    return {"true", "false"} <= set(f.metadata.get("choices") or ())
+
+
+def _bool_name(text: str) -> str:
+    """A choice of such a field; a boolean's spellings are "true" or "false"."""
+    try:
+        return "true" if _parse_bool(text) else "false"
+    except argparse.ArgumentTypeError:
+        return text.lower()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every field as ``--section.field`` and (when unique) a flat ``--field-name``; the
     parsed values land in ``args.overrides`` as {(section, field): value}, set only when
@@ -239,6 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if typ is bool:
             extra["nargs"] = "?"
             extra["const"] = True
+        elif _names_bools(f):  # --regions alone, on, yes, 1 ... as when it was a bool
+            kind = _bool_name
+            extra["nargs"] = "?"
+            extra["const"] = "true"
         group.add_argument(*names, dest=f"override:{section}.{f.name}", type=kind,
                            default=argparse.SUPPRESS, choices=f.metadata.get("choices"),
                            help=f"{f.metadata['help']} (default: {f.default!r})".replace("%", "%%"), **extra)
