@@ -325,8 +325,9 @@ def _set(cfg: TrainConfig, section: str, name: str, value: Any, where: str) -> N
         raise ConfigError(f"[autosp:train] {where}: no such key; [{section}] has "
                           f"{sorted(hints)}")
     typ = hints[name]
-    choices = next(f.metadata.get("choices") for f in dataclasses.fields(sec) if f.name == name)
-    if typ is str and isinstance(value, bool) and choices and {"true", "false"} <= set(choices):
+    f = next(f for f in dataclasses.fields(sec) if f.name == name)
+    choices = f.metadata.get("choices")
+    if typ is str and isinstance(value, bool) and _names_bools(f):
         value = "true" if value else "false"  # regions = true in TOML
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
