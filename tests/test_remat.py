@@ -382,6 +382,13 @@ def test_fake_tensor_cache_comes_back_as_it_was_also_when_the_trace_raises() -> 
             assert not mode.cache_enabled
             raise RuntimeError("trace failed")
     assert mode.cache_enabled
+    # The rank of a static compile the ranks share is a SymInt input (shared_compile.rank_symbol):
+    # the sizes stay static, so the cache stays on (it was off: every static compile under
+    # aot_eager traced uncached, and each layer's invoke_subgraph ran again at every call).
+    from autosp.shared_compile import rank_symbol
+
+    with remat.symbolic_trace_uncached([static, rank_symbol(mode.shape_env, 1)]):
+        assert mode.cache_enabled
     mode.cache_enabled = False  # whoever turned it off gets it back off
     with remat.symbolic_trace_uncached([symbolic]):
         assert not mode.cache_enabled

@@ -65,6 +65,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from autosp import shared_compile
 from autosp.compile_cache import load_reports, marked_cacheable, report_key, save_reports, source_hash
 from autosp.errors import AutospError
 from autosp.remat_facts import gather_facts
@@ -166,9 +167,12 @@ def symbolic_trace_uncached(example_inputs: Sequence[Any]) -> Any:
     from torch._guards import detect_fake_mode
 
     mode = detect_fake_mode(list(example_inputs))
+    # The rank is not a size: a static compile the ranks share takes it as a SymInt input
+    # (autosp.shared_compile.rank_symbol), and its trace keeps the cache, which pays there.
     symbolic = mode is not None and any(
-        isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
-            isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs)
+        (isinstance(x, torch.SymInt) and not shared_compile.is_rank_symbol(x))
+        or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+        for x in example_inputs)
     if not symbolic:
         yield
         return

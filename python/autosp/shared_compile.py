@@ -34,6 +34,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from autosp.apply import RANK_INPUT as RANK_SOURCE  # the rank symbol's name, as its placeholder's
+
 #: Set to 0 to have every rank compile at once (each then compiles its own graph).
 ENV = "AUTOSP_SHARED_COMPILE"
 
@@ -58,11 +60,18 @@ def rank_symbol(shape_env: Any, rank: int) -> Any:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-    source = ConstantSource("autosp_rank")
+    source = ConstantSource(RANK_SOURCE)
     sym = shape_env.create_symbol(rank, source, dynamic_dim=DimDynamic.DYNAMIC, positive=None,
                                   do_not_specialize_zero_one=True)
     shape_env.constrain_symbol_range(sym, compiler_min=0, compiler_max=2**31 - 1)
     return shape_env.create_symintnode(sym, hint=rank, source=source)
+
+
+def is_rank_symbol(value: Any) -> bool:
+    """Whether the SymInt ``value`` is the rank of :func:`rank_symbol`, not a size."""
+    shape_env, expr = value.node.shape_env, value.node.expr
+    sources = shape_env.var_to_sources.get(expr, ()) if shape_env is not None else ()
+    return any(getattr(s, "source_name", None) == RANK_SOURCE for s in sources)
 
 
 def rank_guards(shape_env: Any, rank: Any) -> tuple[Any, list]:
