@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autosp  # noqa: E402
 from launch import bench_main, timed  # noqa: E402
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from autosp.remat_policy import BACKENDS  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -49,7 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--backend", default="aot_eager", choices=BACKENDS)
     p.add_argument("--bf16", action="store_true",
                    help="bf16 compute: MixedPrecisionPolicy(bf16, fp32) sharded, autocast unsharded")
     p.add_argument("--warmup", type=int, default=3)

@@ -30,6 +30,7 @@ import autosp  # noqa: E402
 from autosp import guard  # noqa: E402
 from launch import bench_main, timed  # noqa: E402
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from autosp.remat_policy import BACKENDS  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -42,7 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--backend", default="aot_eager", choices=BACKENDS)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     return p.parse_args(argv)

@@ -40,6 +40,7 @@ from torch._functorch.partitioners import _size_of, min_cut_rematerialization_pa
 import autosp.remat as remat
 from autosp import _core
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM
+from autosp.remat_policy import BACKENDS
 
 
 # ------------------------------------------------------------------------------------------
@@ -362,7 +363,7 @@ def main() -> None:
     parser.add_argument("--solver-seq", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--backend", choices=BACKENDS, default="inductor")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)

@@ -43,6 +43,8 @@ from launch import bench_main, max_over_ranks, timed  # noqa: E402
 from ulysses_handwritten import UlyssesLlamaForCausalLM, sync_sp_grads  # noqa: E402
 
 from autosp.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from autosp.remat_policy import BACKENDS, POLICIES  # noqa: E402
+from autosp.train.config import REGION_MODES  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -62,19 +64,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
-    parser.add_argument("--backend", choices=["aot_eager", "inductor"], default="aot_eager",
+    parser.add_argument("--backend", choices=BACKENDS, default="aot_eager",
                         help="compiler backend, for autosp and for torch.compile of the "
                              "hand-written model")
     parser.add_argument("--remat", default="sequence-aware",
-                        choices=["sequence-aware", "default", "none"], help="autosp remat policy")
+                        choices=POLICIES, help="autosp remat policy")
     parser.add_argument("--eager-handwritten", action="store_true",
                         help="run the hand-written model eagerly instead of torch.compile")
     parser.add_argument("--handwritten-decoder-frame", action="store_true",
                         help="loop over the hand-written model's layers in a method of their own "
                              "(ulysses_handwritten decoder_frame=True): torch.compile then compiles "
                              "its embedding, lm_head and loss, which it otherwise runs eagerly")
-    parser.add_argument("--regions", nargs="?", const="true", default="false",
-                        choices=("false", "compile", "true"),
+    parser.add_argument("--regions", nargs="?", const="true", default="compile",
+                        choices=tuple(REGION_MODES),
                         help="autosp.compile(regions=...): 'compile' compiles each class of alike "
                              "decoder layers once, 'true' (the flag alone) "
                              "also has Dynamo trace it once")
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> None:
         compiled = autosp.compile(
             sp_model, mesh=mesh, seq_dim=1, remat=args.remat, backend=args.backend,
             dynamic={"auto": None, "true": True, "false": False}[args.dynamic],
-            regions={"false": False, "compile": "compile", "true": True}[args.regions],
+            regions=REGION_MODES[args.regions],
         )
         models["autosp"] = sp_model
         steps["autosp"] = lambda: compiled(input_ids, labels)

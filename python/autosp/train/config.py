@@ -21,6 +21,7 @@ from typing import Any, get_type_hints
 
 from autosp.api import REGIONS
 from autosp.errors import AutospError
+from autosp.remat_policy import AUTO, BACKENDS, POLICIES
 
 #: training.regions' values: autosp.compile's ``regions`` modes by name, False and True spelled
 #: as TOML's booleans (a TOML ``true`` or ``false`` is taken as its name).
@@ -77,11 +78,11 @@ class TrainingConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
     seed: int = _f(0, "model and data seed")
-    backend: str = _f("inductor", "compiler backend of the SP graph", ("inductor", "aot_eager"))
+    backend: str = _f("inductor", "compiler backend of the SP graph", BACKENDS)
     remat: str = _f("sequence-aware", "activation rematerialisation policy; auto: autosp plan "
                                       "picks remat, tile_loss, tile_mlp and offload, the "
                                       "cheapest combination predicted to fit memory_gib",
-                    ("sequence-aware", "default", "none", "auto"))
+                    (*reversed(POLICIES), AUTO))
     memory_gib: float = _f(0.0, "with remat auto: the memory per rank to fit (0: the GPU's "
                                 "total memory; needed on CPU)")
     host_memory_gib: float = _f(0.0, "with remat auto: the host memory per rank that offloaded "
