@@ -41,6 +41,21 @@ def test_packing_positions_and_labels() -> None:
     assert (labels == -100).tolist() == (pos == 0).tolist()
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_positions_restart_where_the_models_position_table_ends(streaming: bool) -> None:
+    """With a model's table of 4 positions (GPT-2's learned positions), a longer document
+    restarts at 0 every 4 tokens, as documents of 4 tokens; the first token of each is not a
+    target. Positions 4 and up failed mid-run with GPT-2 (found by breaker helper-88)."""
+    docs = _packed(8, streaming)
+    docs.max_position = 4
+    pos = torch.cat([docs.sequence(k)[1] for k in range(8)])
+    labels = torch.cat([docs.sequence(k)[2] for k in range(8)])
+    n = sum(len(d) + 1 for d in DOCS)
+    assert pos[:n].tolist() == [p % 4 for d in DOCS for p in range(len(d) + 1)]
+    assert int(pos.max()) == 3
+    assert (labels == -100).tolist() == (pos == 0).tolist()
+
+
 def test_streaming_gives_the_same_sequences() -> None:
     a, b = _packed(7), _packed(7, streaming=True)
     for k in [0, 1, 4, 9, 2, 2, 12]:  # forward, past an epoch, back (the stream restarts)

@@ -202,6 +202,80 @@ def test_an_sdpa_refusal_the_class_flag_did_not_foresee_builds_eager_alike(tmp_p
         build_model(C.ModelConfig(hf_config=folder), seed=0)
 
 
+def _hf(model_type: str, **kw: Any) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autosp.train.model import HFCausalLM
+
+    torch.manual_seed(0)
+    return HFCausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)))
+
+
+def test_position_table_size_is_found_by_probing() -> None:
+    """GPT-2's learned positions fail past n_positions, so packed documents restart there;
+    rotary positions go on past max_position_embeddings (long documents keep theirs)."""
+    from autosp.train.model import position_table_size
+
+    gpt2 = _hf("gpt2", vocab_size=96, n_embd=32, n_layer=1, n_head=4, n_positions=16)
+    qwen2 = _hf("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    preset, _ = build_model(C.ModelConfig(), seed=0)
+    assert position_table_size(gpt2) == 16
+    assert position_table_size(qwen2) is None
+    assert position_table_size(preset) is None
+
+
+def test_the_packed_document_probe_runs_the_model_in_eval_mode() -> None:
+    """A model with dropout that keeps attention within documents is accepted: the probe's two
+    losses differed by dropout alone (5.488328 against 5.473866 for GPT-NeoX with
+    hidden_dropout 0.1: refused, found by breaker helper-88). Every module's mode comes back."""
+    from autosp.train.model import check_attends_within_documents
+
+    neox = _hf("gpt_neox", vocab_size=96, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.5)
+    neox.train()
+    neox.model.gpt_neox.layers[1].eval()  # a mixed model keeps its mix
+    modes = [m.training for m in neox.modules()]
+    check_attends_within_documents(neox, 96)
+    assert [m.training for m in neox.modules()] == modes
+
+
+def test_train_a_model_with_a_position_table(tmp_path: Path) -> None:
+    """GPT-2 with 32 positions: on packed documents (each longer than 32 tokens) positions
+    restart at 32 and the run passes --check at sp 2, where it stopped at its second step with
+    a traceback on each rank. With synthetic data at S 64 (positions 0-63, no position_ids) the
+    run stops at its first step with autosp's index check, its message alone on each rank
+    (each printed PyTorch's RuntimeError and its traceback before)."""
+    import subprocess
+
+    from transformers import AutoConfig
+
+    from test_train_faults import ENV, _autosp_command
+
+    AutoConfig.for_model("gpt2", vocab_size=260, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                         ).save_pretrained(tmp_path / "gpt2")
+    args = ["--nproc", "2", "--sp", "2", "--batch-size", "1", "--backend", "aot_eager",
+            "--predict", "false", "--hf-config", str(tmp_path / "gpt2")]
+    docs = subprocess.run([*_autosp_command(), "train", *args, "--seq-len", "32", "--steps", "3",
+                           "--source", "sample", "--check", "--out-dir", str(tmp_path / "docs")],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert docs.returncode == 0, docs.stdout[-3000:] + docs.stderr[-3000:]
+    assert re.search(r"^check: first-step loss .*: OK$", docs.stdout, re.M), docs.stdout
+    steps = (tmp_path / "docs" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"step"' in x for x in steps) >= 3, steps
+    synthetic = subprocess.run([*_autosp_command(), "train", *args, "--seq-len", "64", "--steps",
+                                "1", "--out-dir", str(tmp_path / "synthetic")],
+                               capture_output=True, text=True, timeout=600, env=ENV)
+    assert synthetic.returncode != 0
+    for rank in (0, 1):
+        assert re.search(rf"^autosp train: rank {rank}: \[autosp:inputs\] .*found an index outside "
+                         r"\[0, 32\)", synthetic.stderr, re.M), synthetic.stderr[-3000:]
+    # no rank's traceback (torchrun's own report of a failed rank, ChildFailedError, stays)
+    assert "RuntimeError" not in synthetic.stderr and "loop.py" not in synthetic.stderr, \
+        synthetic.stderr[-3000:]
+
+
 def test_train_a_model_that_refuses_sdpa_exactly(tmp_path: Path) -> None:
     """``autosp train`` of the tiny Gemma 2 (soft-capped logits, sliding and global layers) at
     sp 2 passes --check: its first step's loss and gradient norm equal one device's."""

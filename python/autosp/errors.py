@@ -15,6 +15,11 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+#: How every message autosp writes begins: ``[autosp:<pass>]``, also inside another exception
+#: (a check that runs in the compiled step fails as PyTorch's RuntimeError with this message).
+MESSAGE_MARK = "[autosp:"
+
+
 class AutospError(ValueError):
     """A model, input or configuration autosp cannot compile exactly, or an internal
     autosp error (its message then says so).

@@ -16,6 +16,8 @@ start (and keeps counting when a document continues into the next sequence), so 
 given ``position_ids`` attends within documents only (autosp.models.llama's
 ``document_mask``; Hugging Face models' packed-sequence masks). The label of a document's
 first token is -100: the previous document's last token does not learn to predict it.
+For a model with a table of n positions (``max_position``: GPT-2's learned positions), a
+longer document restarts at 0 every n tokens, as documents of n tokens each.
 After the last sequence the stream starts again (the next epoch).
 
 With ``data.streaming`` the files are read as the sequences are needed (for data larger than
@@ -170,6 +172,8 @@ class PackedDocuments:
                  streaming: bool) -> None:
         self.seq_len = seq_len
         self.streaming = streaming
+        #: The model's position table's size (train.model.position_table_size), or None.
+        self.max_position: int | None = None
         self._texts, self._tok = texts, tok
         if not streaming:
             ids: list[int] = []
@@ -204,6 +208,8 @@ class PackedDocuments:
                     break
             ids = torch.tensor([t for t, _ in chunk], dtype=torch.long)
             pos = torch.tensor([p for _, p in chunk], dtype=torch.long)
+        if self.max_position:
+            pos = pos % self.max_position
         labels = ids.clone()
         labels[pos == 0] = -100
         return ids, pos, labels

@@ -28,12 +28,13 @@ from autosp.train import checkpoint as ckpt
 from autosp.train import config as config_mod
 from autosp.train.config import TrainConfig
 from autosp.train.data import Batches, target_count, with_one_target
-from autosp.errors import AutospError
+from autosp.errors import MESSAGE_MARK, AutospError
 from autosp.remat import MemoryBudget, Offload, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
                                   progress_line)
 from autosp.train.predict import choose_strategy, predicted_peak
-from autosp.train.model import attention_note, build_model, check_attends_within_documents
+from autosp.train.model import (attention_note, build_model, check_attends_within_documents,
+                                position_table_size)
 from autosp.train.schedule import warmup_cosine
 
 
@@ -66,6 +67,12 @@ def run(cfg: TrainConfig) -> int:
             print(f"autosp train: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
     except (dist.DistError, RuntimeError) as e:
+        if not _collective_failure(e) and MESSAGE_MARK in str(e):
+            # autosp's check inside the compiled step (torch._assert_async): its own message,
+            # without PyTorch's traceback
+            print(f"autosp train: rank {rank}: {str(e)[str(e).index(MESSAGE_MARK):].strip()}",
+                  file=sys.stderr, flush=True)
+            return 1
         if not _collective_failure(e):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -131,6 +138,7 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     model, vocab = build_model(cfg.model, t.seed, batches.vocab_size)
     if batches.docs is not None:
         check_attends_within_documents(model, vocab)
+        batches.docs.max_position = position_table_size(model)
     n_params = sum(p.numel() for p in model.parameters())
     bf16 = cfg.model.dtype == "bfloat16"
     model = model.to(device)

@@ -9,7 +9,9 @@ each document.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -117,6 +119,39 @@ def attention_note(model: nn.Module) -> str:
             "[batch, heads, S, S] scores)")
 
 
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode without gradients, every module's mode put back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def position_table_size(model: nn.Module) -> int | None:
+    """How many positions ``model``'s position table holds, where it has one: a Hugging Face
+    model whose ``config.max_position_embeddings`` is n and which fails on one device given
+    position n (GPT-2's learned positions). None where it takes position n (rotary positions,
+    which go on past the length the model was trained at) or declares no such length."""
+    config = getattr(getattr(model, "model", model), "config", None)
+    n = getattr(config, "max_position_embeddings", None)
+    if type(n) is not int or n <= 0:
+        return None
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    try:
+        with _evaluating(model):
+            model(ids, ids, torch.tensor([[n - 1, n]]))
+    except IndexError:  # the table's lookup, on the CPU
+        return n
+    except Exception:  # noqa: BLE001 - another failure is not a table's; training meets it
+        return None
+    return None
+
+
 def check_attends_within_documents(model: nn.Module, vocab_size: int) -> None:
     """Packed documents need a model that keeps attention within each document when given
     their ``position_ids``. Probe it once, on one device: two documents packed in one row,
@@ -127,7 +162,7 @@ def check_attends_within_documents(model: nn.Module, vocab_size: int) -> None:
     pos = torch.cat([torch.arange(8), torch.arange(8)])[None]
     labels = torch.cat([torch.full((1, 8), -100), second], dim=1)
     labels[0, 8] = -100  # the second document's first token is nobody's target
-    with torch.no_grad():
+    with _evaluating(model):  # dropout would make the two losses differ by itself
         a = model(torch.cat([first, second], 1), labels, pos)
         b = model(torch.cat([other, second], 1), labels, pos)
     if not torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6):
