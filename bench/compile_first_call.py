@@ -49,6 +49,8 @@ import tempfile
 import time
 from typing import Any
 
+from autosp.remat_policy import BACKENDS, INDUCTOR
+
 CONFIGS = ("autosp-dynamic", "autosp-static", "handwritten-dynamic", "handwritten-static",
            "handwritten-traced-static", "handwritten-decoder-frame-static",
            "autosp-static-regions", "autosp-static-regions-every-layer", "floor", "floor-precompile")
@@ -58,7 +60,7 @@ def _one_op(x: Any) -> Any:
     return x.sin()
 
 
-def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
+def _child(which: str, layers: int, seq: int, sp: int, device: str, backend: str) -> None:
     import torch
     import torch.distributed as dist
     from torch._inductor import metrics
@@ -95,7 +97,7 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
         # "-every-layer": regions="compile", Dynamo traces every layer
         regions = ("compile" if which.endswith("-every-layer") else True) if "-regions" in which \
             else False
-        compiled = autosp.compile(model, mesh=mesh, check_inputs="never",
+        compiled = autosp.compile(model, mesh=mesh, check_inputs="never", backend=backend,
                                   dynamic=which == "autosp-dynamic", regions=regions)
         compiled(ids, ids).backward()
     else:
@@ -105,18 +107,18 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str) -> None:
         x = ids.clone()
         if which == "handwritten-dynamic":
             torch._dynamo.mark_dynamic(x, 1)
-        torch.compile(hand, fullgraph=traced)(x, x).backward()  # as bench_sp.py compiles it
+        torch.compile(hand, fullgraph=traced, backend=backend)(x, x).backward()  # as bench_sp.py compiles it
     if device == "cuda":
         torch.cuda.synchronize()
     print(f"RESULT {time.perf_counter() - start:.3f} {metrics.generated_kernel_count}", flush=True)
 
 
-def _run(which: str, layers: int, seq: int, sp: int, device: str,
+def _run(which: str, layers: int, seq: int, sp: int, device: str, backend: str,
          cache: str) -> tuple[float, int]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which,
                           "--layers", str(layers), "--seq", str(seq), "--sp", str(sp),
-                          "--device", device],
+                          "--device", device, "--backend", backend],
                          env=env, capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -132,6 +134,9 @@ def main() -> None:
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the model runs (Inductor then generates C++ or Triton kernels)")
+    ap.add_argument("--backend", default=INDUCTOR, choices=BACKENDS,
+                    help="autosp's and torch.compile's backend (aot_eager: no kernels, the "
+                         "trace and the partition alone)")
     ap.add_argument("--child", default=None, choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--only", default=None, help="comma-separated configurations to run")
     ap.add_argument("--repeat", type=int, default=1,
@@ -140,13 +145,13 @@ def main() -> None:
                          "medians, each ratio the median of the ratios of runs in the same round")
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.layers, args.seq, args.sp, args.device)
+        _child(args.child, args.layers, args.seq, args.sp, args.device, args.backend)
         return
     runs: dict[str, list[Any]] = {}  # per round: ((cold s, kernels), (warm s, kernels)) or None
     for round_ in range(args.repeat):
         for which in (args.only.split(",") if args.only else CONFIGS):
             cache = tempfile.mkdtemp(prefix="autosp-first-call-")
-            run = (which, args.layers, args.seq, args.sp, args.device, cache)
+            run = (which, args.layers, args.seq, args.sp, args.device, args.backend, cache)
             try:
                 runs.setdefault(which, []).append(None)
                 runs[which][-1] = (_run(*run), _run(*run))
@@ -159,7 +164,7 @@ def main() -> None:
     results = {w: ((statistics.median(x[0][0] for x in r if x), next(x for x in r if x)[0][1]),
                    (statistics.median(x[1][0] for x in r if x), 0)) for w, r in runs.items()}
     print(f"first call (compile + forward + backward), Llama {args.layers} layers, S {args.seq}, "
-          f"rank 0 of sp {args.sp} (fake process group), Inductor on {args.device}, "
+          f"rank 0 of sp {args.sp} (fake process group), {args.backend} on {args.device}, "
           f"each in a fresh process" + (f", median of {args.repeat} rounds" if args.repeat > 1 else ""),
           flush=True)
     print(f"{'':<28}{'cold s':>9}{'kernels':>9}{'warm s':>9}")
