@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--policies", default="none,default,sequence-aware")
-    p.add_argument("--backend", choices=["aot_eager", "inductor"], default="aot_eager",
+    from autosp.remat_policy import BACKENDS  # the backends' names, defined once
+
+    p.add_argument("--backend", choices=BACKENDS, default="aot_eager",
                    help="aot_eager runs the schedule the model simulates; inductor reuses "
                         "buffers and fuses, so it allocates less than predicted")
     p.add_argument("--cpu-only", action="store_true", help="print the prediction only")

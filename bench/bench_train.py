@@ -52,7 +52,9 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor"])
+    from autosp.remat_policy import BACKENDS  # the backends' names, defined once
+
+    p.add_argument("--backend", default="aot_eager", choices=BACKENDS)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--remat", default="sequence-aware")
     args = p.parse_args()

@@ -81,7 +81,7 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str, backend: str
     start = time.perf_counter()
     if which == "floor":
         x = torch.randn(4, 8, device=device, requires_grad=True)
-        torch.compile(torch.sin)(x).sum().backward()
+        torch.compile(torch.sin, backend=backend)(x).sum().backward()
     elif which == "floor-precompile":
         x = torch.randn(4, 8, device=device, requires_grad=True)
         saved = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "floor_precompiled.pt")
@@ -89,7 +89,7 @@ def _child(which: str, layers: int, seq: int, sp: int, device: str, backend: str
             with open(saved, "rb") as f:
                 fn = torch.compiler.load_compiled_function(f)
         else:
-            fn = torch.compile(_one_op, fullgraph=True).aot_compile(((x,), {}))
+            fn = torch.compile(_one_op, fullgraph=True, backend=backend).aot_compile(((x,), {}))
             fn.save_compiled_function(saved)
         fn(x).sum().backward()
     elif which.startswith("autosp"):

@@ -84,7 +84,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--sp", type=int, default=2)
-    ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
+    from autosp.remat_policy import BACKENDS  # the backends' names, defined once
+
+    ap.add_argument("--backend", default="inductor", choices=BACKENDS)
     ap.add_argument("--static", action="store_true",
                     help="also time torch.compile with S static (cold), and autosp.compile("
                          "dynamic=False) (cold and warm): planned on the symbolic trace, "

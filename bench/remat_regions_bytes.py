@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--remat", default="sequence-aware")
     ap.add_argument("--frozen", default="", help="comma-separated parameter name prefixes "
                     "that take no gradient (e.g. embed_tokens,layers.0.,layers.1.)")
-    ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    from autosp.remat_policy import BACKENDS  # the backends' names, defined once
+
+    ap.add_argument("--backend", default="aot_eager", choices=BACKENDS)
     ap.add_argument("--tanh", action="store_true",
                     help="every decoder layer ends in tanh (its backward reads its output)")
     ap.add_argument("--child", choices=("flat", "regions"), help=argparse.SUPPRESS)

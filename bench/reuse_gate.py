@@ -83,7 +83,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--sp", type=int, default=2)
-    ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    from autosp.remat_policy import BACKENDS  # the backends' names, defined once
+
+    ap.add_argument("--backend", default="aot_eager", choices=BACKENDS)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--child", default=None, choices=RULES, help=argparse.SUPPRESS)
     args = ap.parse_args()

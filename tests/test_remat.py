@@ -389,6 +389,13 @@ def test_fake_tensor_cache_comes_back_as_it_was_also_when_the_trace_raises() -> 
 
     with remat.symbolic_trace_uncached([static, rank_symbol(mode.shape_env, 1)]):
         assert mode.cache_enabled
+    from torch._dynamo.source import ConstantSource
+
+    env = mode.shape_env
+    length = env.create_symintnode(env.create_symbol(8, ConstantSource("sym_size")), hint=8)
+    with remat.symbolic_trace_uncached([static, length]):  # any other SymInt: symbolic
+        assert not mode.cache_enabled
+    assert mode.cache_enabled
     mode.cache_enabled = False  # whoever turned it off gets it back off
     with remat.symbolic_trace_uncached([symbolic]):
         assert not mode.cache_enabled

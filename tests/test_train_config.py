@@ -219,8 +219,11 @@ def test_position_table_size_is_found_by_probing() -> None:
     gpt2 = _hf("gpt2", vocab_size=96, n_embd=32, n_layer=1, n_head=4, n_positions=16)
     qwen2 = _hf("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    opt = _hf("opt", vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+              num_attention_heads=4, max_position_embeddings=16, word_embed_proj_dim=32)
     preset, _ = build_model(C.ModelConfig(), seed=0)
     assert position_table_size(gpt2) == 16
+    assert position_table_size(opt) == 16  # its table holds 16 + 2 rows: OPT adds 2
     assert position_table_size(qwen2) is None
     assert position_table_size(preset) is None
 

@@ -15,8 +15,9 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-#: How every message autosp writes begins: ``[autosp:<pass>]``, also inside another exception
-#: (a check that runs in the compiled step fails as PyTorch's RuntimeError with this message).
+#: How the messages of autosp's passes and checks begin, ``[autosp:<pass>]`` (the remat
+#: solver's and the planner's begin ``[remat]`` and ``[plan]``). A check that runs inside the
+#: compiled step fails as PyTorch's RuntimeError whose message begins so.
 MESSAGE_MARK = "[autosp:"
 
 

@@ -68,10 +68,16 @@ def rank_symbol(shape_env: Any, rank: int) -> Any:
 
 
 def is_rank_symbol(value: Any) -> bool:
-    """Whether the SymInt ``value`` is the rank of :func:`rank_symbol`, not a size."""
-    shape_env, expr = value.node.shape_env, value.node.expr
-    sources = shape_env.var_to_sources.get(expr, ()) if shape_env is not None else ()
-    return any(getattr(s, "source_name", None) == RANK_SOURCE for s in sources)
+    """Whether the SymInt ``value`` is the rank of :func:`rank_symbol`, not a size (its symbol
+    as created, ``_expr``: a guard may have made ``expr`` the rank's value)."""
+    import sympy
+
+    node = value.node
+    sym = getattr(node, "_expr", None)
+    if node.shape_env is None or not isinstance(sym, sympy.Symbol):
+        return False
+    return any(getattr(s, "source_name", None) == RANK_SOURCE
+               for s in node.shape_env.var_to_sources.get(sym, ()))
 
 
 def rank_guards(shape_env: Any, rank: Any) -> tuple[Any, list]:

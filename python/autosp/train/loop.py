@@ -67,10 +67,11 @@ def run(cfg: TrainConfig) -> int:
             print(f"autosp train: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
     except (dist.DistError, RuntimeError) as e:
-        if not _collective_failure(e) and MESSAGE_MARK in str(e):
-            # autosp's check inside the compiled step (torch._assert_async): its own message,
-            # without PyTorch's traceback
-            print(f"autosp train: rank {rank}: {str(e)[str(e).index(MESSAGE_MARK):].strip()}",
+        if type(e) is RuntimeError and str(e).lstrip().startswith(MESSAGE_MARK):
+            # autosp's check inside the compiled step (torch._assert_async on the CPU; on CUDA
+            # it is a device-side assert, whose text PyTorch writes): its message, without
+            # PyTorch's traceback. A RuntimeError that only wraps such a message is raised.
+            print(f"autosp train: rank {rank}: {str(e).strip().splitlines()[0]}",
                   file=sys.stderr, flush=True)
             return 1
         if not _collective_failure(e):
@@ -137,8 +138,10 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     batches = Batches(cfg.data, t.seq_len, t.batch_size, t.grad_accum, dp_size, t.seed)
     model, vocab = build_model(cfg.model, t.seed, batches.vocab_size)
     if batches.docs is not None:
-        check_attends_within_documents(model, vocab)
+        # the table first: its probe's last position may leave a dynamic rotary embedding's
+        # state changed; the 8-position probe after it puts that back
         batches.docs.max_position = position_table_size(model)
+        check_attends_within_documents(model, vocab)
     n_params = sum(p.numel() for p in model.parameters())
     bf16 = cfg.model.dtype == "bfloat16"
     model = model.to(device)

@@ -134,22 +134,28 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
 
 def position_table_size(model: nn.Module) -> int | None:
     """How many positions ``model``'s position table holds, where it has one: a Hugging Face
-    model whose ``config.max_position_embeddings`` is n and which fails on one device given
-    position n (GPT-2's learned positions). None where it takes position n (rotary positions,
-    which go on past the length the model was trained at) or declares no such length."""
+    model whose ``config.max_position_embeddings`` is n, which takes positions 0 and n - 1 on
+    one device and fails on position n with an index error (GPT-2's and OPT's learned
+    positions). None where it takes position n (rotary positions, as in Llama or Qwen, go on
+    past the length the model was trained at), fails otherwise, or declares no such length."""
     config = getattr(getattr(model, "model", model), "config", None)
     n = getattr(config, "max_position_embeddings", None)
-    if type(n) is not int or n <= 0:
+    if type(n) is not int or n <= 1:
         return None
     ids = torch.zeros(1, 2, dtype=torch.long)
-    try:
-        with _evaluating(model):
-            model(ids, ids, torch.tensor([[n - 1, n]]))
-    except IndexError:  # the table's lookup, on the CPU
-        return n
-    except Exception:  # noqa: BLE001 - another failure is not a table's; training meets it
-        return None
-    return None
+
+    def takes(last: int) -> bool | None:
+        """Whether the model takes positions 0 and ``last``; None: it failed otherwise."""
+        try:
+            with _evaluating(model):
+                model(ids, ids, torch.tensor([[0, last]]))
+        except IndexError:  # a table's lookup, on the CPU
+            return False
+        except Exception:  # noqa: BLE001 - not a table's failure; training meets it
+            return None
+        return True
+
+    return n if takes(n - 1) and takes(n) is False else None
 
 
 def check_attends_within_documents(model: nn.Module, vocab_size: int) -> None:
