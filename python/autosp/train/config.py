@@ -82,7 +82,7 @@ class TrainingConfig:
     remat: str = _f("sequence-aware", "activation rematerialisation policy; auto: autosp plan "
                                       "picks remat, tile_loss, tile_mlp and offload, the "
                                       "cheapest combination predicted to fit memory_gib",
-                    (*reversed(POLICIES), AUTO))
+                    (*POLICIES, AUTO))
     memory_gib: float = _f(0.0, "with remat auto: the memory per rank to fit (0: the GPU's "
                                 "total memory; needed on CPU)")
     host_memory_gib: float = _f(0.0, "with remat auto: the host memory per rank that offloaded "
