@@ -107,7 +107,7 @@ def test_relaunch_arguments_reach_the_ranks_intact() -> None:
     args_list = ["train", "--nproc", "4", "--sp", "2", "--seq-len", "64", "--steps", "2",
                  "--remat", "none", "--seed", "3", "--lr", "1e-3", "--layers", "1", "--check"]
     cmd = cli.torchrun_command(4, args_list)
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "autosp.torchrun"]  # torchrun's own arguments
     parsed = get_args_parser().parse_args(cmd[3:])
     assert parsed.nproc_per_node == "4"
     assert parsed.module and parsed.training_script == "autosp.cli"

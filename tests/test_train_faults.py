@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -58,8 +59,15 @@ def test_resume_errors_clearly(tmp_path: Path) -> None:
     proc = subprocess.run([*_autosp_command(), "train", *TINY, "--steps", "1", "--out-dir",
                            str(tmp_path), "--resume", str(tmp_path / "nothing")],
                           capture_output=True, text=True, timeout=600, env=ENV)
-    assert proc.returncode != 0
+    assert proc.returncode == 1
     assert "checkpoint.resume" in proc.stderr and "found no DCP checkpoint" in proc.stderr, proc.stderr
+    # the launcher ends with one line naming the failed ranks, not torchrun's own traceback
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    # (both ranks fail, unless torchrun stops one that has not yet failed)
+    assert re.fullmatch(r"autosp train: (rank 0 failed \(exit code 1\), rank 1 failed \(exit code "
+                        r"1\)|rank ([01]) failed \(exit code 1\); torchrun then stopped rank "
+                        r"(?!\2)[01])\. Each rank's own message is above\.", last), last
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
@@ -161,6 +169,9 @@ def test_a_lost_rank_ends_the_run(tmp_path: Path, how: str) -> None:
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode != 0, text
     assert "autosp train: rank 0: a collective failed or timed out" in text, text
+    if how == "kill":
+        assert "rank 1 killed by SIGKILL" in text.strip().splitlines()[-1], text[-2000:]
+        assert "ChildFailedError" not in text, text[-2000:]
     # the timeout is 5 s; torchrun then waits up to 30 s for the silent rank before killing it
     assert time.time() - t0 < (15 if how == "kill" else 60), time.time() - t0
 
@@ -197,3 +208,43 @@ def test_step_flops_are_reduced_on_every_rank_also_one_without_a_report(with_rep
     got = run_ranks(2, _flops_worker, with_report, timeout=60)
     want = 2 * (1000.0 + 2000.0) if all(with_report) else None
     assert got == [want, want]
+
+
+def _layout_worker(rank: int, world: int, folder: str) -> list[str]:
+    from autosp.errors import AutospError
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    base = {"dp": 1, "batch_size": 2, "seq_len": 16}
+    path = ckpt.save(folder, model, optimizer, scheduler, 3, {**base, "max_position": 4})
+    errors = []
+    for now in ({**base, "max_position": 8}, base):
+        try:
+            ckpt.load(path, model, optimizer, scheduler, now)
+            errors.append("")
+        except AutospError as e:
+            errors.append(str(e))
+    errors.append(str(ckpt.load(path, model, optimizer, scheduler, {**base, "max_position": 4})))
+    path = ckpt.save(folder, model, optimizer, scheduler, 5, {**base, "max_position": None})
+    try:  # a model without a table, then one with
+        ckpt.load(path, model, optimizer, scheduler, {**base, "max_position": 4})
+        errors.append("")
+    except AutospError as e:
+        errors.append(str(e))
+    path = ckpt.save(folder, model, optimizer, scheduler, 6, base)  # as before the key existed
+    errors.append(str(ckpt.load(path, model, optimizer, scheduler, {**base, "max_position": 4})))
+    return errors
+
+
+def test_resume_with_another_position_table_is_refused(tmp_path: Path) -> None:
+    """Positions restart at the model's position table's size (autosp.train.documents): a
+    resume whose table differs (a changed max_position_embeddings, or a model with none, or
+    one with a table after none) would feed other positions than the uninterrupted run. Each
+    is refused by name; the same size resumes."""
+    [(other, none, same, added, older)] = run_ranks(1, _layout_worker, str(tmp_path))
+    assert "max_position 4 (now 8)" in other, other
+    assert "max_position 4 (now None)" in none, none
+    assert same == "3"
+    assert "max_position None (now 4)" in added, added
+    assert older == "6"  # a checkpoint written before the layout held the table still resumes

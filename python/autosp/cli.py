@@ -6,8 +6,9 @@
 ``autosp train`` runs real sequence-parallel training (autosp.train): the reference causal
 LM or a Hugging Face model, configured by a TOML file (``--config``) and options that
 override it (autosp.train.config). Run outside torchrun (no ``RANK`` in the environment) it
-re-launches itself with ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-autosp.cli train ...``; under torchrun every rank runs autosp.train.loop. With ``--check``
+re-launches itself under torchrun (``python -m autosp.torchrun --standalone --nproc-per-node N
+-m autosp.cli train ...``: torchrun, ending a failed run with one line rather than its own
+traceback); under torchrun every rank runs autosp.train.loop. With ``--check``
 rank 0 finally recomputes the first step's loss with the plain model on one device and
 compares.
 """
@@ -143,7 +144,7 @@ def torchrun_command(nproc: int, args_list: Sequence[str]) -> list[str]:
     the launcher's ``--nproc``, see ``rank_arguments``)."""
     rank_args = rank_arguments(args_list)
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "autosp.torchrun",
         "--standalone", f"--nproc-per-node={nproc}",
         "-m", "autosp.cli", *rank_args,
     ]

@@ -84,12 +84,20 @@ def resolve(resume: str, folder: str) -> str | None:
     return resume
 
 
+def _saved_keys(path: str) -> set[str] | None:
+    """The flattened keys of the checkpoint at ``path`` ("train.layout.seq_len", ...), or
+    None when its metadata cannot be read."""
+    try:
+        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - unreadable: DCP's own load reports it
+        return None
+
+
 def _check_optimizer_kind(path: str, optimizer: torch.optim.Optimizer) -> None:
     """An OffloadOptimizer's state (with its master weights) and AdamW's are stored differently:
     say which setting wrote the checkpoint rather than DCP's missing keys."""
-    try:
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception:  # unreadable: DCP's own load reports it
+    keys = _saved_keys(path)
+    if keys is None:  # unreadable: DCP's own load reports it
         return
     saved = any(k.startswith("optim.master_weights") for k in keys)
     now = isinstance(optimizer, OffloadOptimizer)
@@ -108,7 +116,13 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     data layout (a resumed run draws its batches by step: another layout would train on other
     data than the uninterrupted run)."""
     _check_optimizer_kind(path, optimizer)
-    state = _state(model, optimizer, scheduler, 0, layout)
+    # DCP loads the keys asked for: ask for the saved layout's keys (one this run lacks is
+    # still compared), not this run's (one a checkpoint from before it lacks is not an error)
+    keys = _saved_keys(path)
+    prefix = "train.layout."
+    asked = dict(layout) if keys is None else \
+        {k[len(prefix):]: None for k in keys if k.startswith(prefix)}
+    state = _state(model, optimizer, scheduler, 0, asked)
     try:
         dcp.load(state, checkpoint_id=path)
         if isinstance(optimizer, OffloadOptimizer):
@@ -124,10 +138,11 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
         raise AutospError(f"[autosp:train] checkpoint.resume = {path!r}: found a checkpoint that "
                           f"does not fit this run's model ({first}); expected one written by "
                           "autosp train with the same [model]") from None
-    saved = state["train"]["layout"]
+    saved = {**{k: v for k, v in layout.items() if k not in asked}, **state["train"]["layout"]}
     if saved != layout:
-        diff = ", ".join(f"{k} {saved.get(k)!r} (now {v!r})" for k, v in layout.items()
-                         if saved.get(k) != v)
+        diff = ", ".join(f"{k} {saved.get(k)!r} (now {layout.get(k)!r})"
+                         for k in [*layout, *(k for k in saved if k not in layout)]
+                         if saved.get(k) != layout.get(k))
         raise AutospError(f"[autosp:train] checkpoint.resume = {path!r}: found a checkpoint written "
                           f"with {diff}; expected the same data layout, since a resumed run draws "
                           "the batches of step N as the uninterrupted run would. Resume with "

@@ -177,6 +177,8 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
     layout = {"dp": dp_size, "batch_size": t.batch_size, "grad_accum": t.grad_accum,
               "seq_len": t.seq_len, "source": cfg.data.source, "tokenizer": cfg.data.tokenizer,
               "seed": t.seed}
+    if batches.docs is not None:  # positions restart at the table's size (None: no table)
+        layout["max_position"] = batches.docs.max_position
     start = 0
     if resume_from is not None:
         start = ckpt.load(resume_from, model, optimizer, scheduler, layout)
