@@ -69,6 +69,14 @@ def test_train_two_ranks_runs_and_checks(variant: str, tmp_path: Path) -> None:
     assert re.search(r"^check: first-step gradient norm .*: OK$", proc.stdout, re.M), output
     assert ("sharded over all ranks" in proc.stdout) == (variant == "hf-toml-fsdp"), output
     assert ("remat budget 0.0003 GiB" in proc.stdout) == (variant == "hf-toml-fsdp"), output
+    # what training.regions (default "compile") did, after the first step: the two alike
+    # layers share one subgraph; a budget keeps every layer inline, and says why
+    said = re.findall(r"^regions: .*$", proc.stdout, re.M)
+    assert said == (["regions: no layer outlined: remat=MemoryBudget(...) caps the saved bytes "
+                     "of the whole graph; each region would be held to the whole budget alone, "
+                     "and the calling graph to it for what every region saves"]
+                    if variant == "hf-toml-fsdp" else
+                    ["regions: 2 of 2 layers call 1 shared compiled subgraph"]), output
     # The metrics file: one record per step with every field, the printed losses.
     from autosp.train.config import load
     from autosp.train.metrics import FIELDS

@@ -523,3 +523,22 @@ def test_check_compares_the_first_steps_gradient_too(capsys: pytest.CaptureFixtu
     assert loop._check_first_step(cfg, batches, loss, norm, 2) == 0
     assert loop._check_first_step(cfg, batches, loss, norm * 1.01, 2) == 1
     assert "gradient norm" in capsys.readouterr().out
+
+
+def test_regions_line_says_what_the_outline_did() -> None:
+    """The trainer's line after its first step, from ``last_compile.outlined``: layers calling
+    shared subgraphs, those inline with the first one's reason, a whole-graph reason as it
+    is, nothing without regions."""
+    from autosp.train.metrics import regions_line
+
+    assert regions_line(None) is None and regions_line([]) is None
+    assert regions_line(["no layer outlined: remat=Offload(...) offloads"]) == \
+        "regions: no layer outlined: remat=Offload(...) offloads"
+    lines = ["model.layers.0: calls autosp_region_0", "model.layers.1: calls autosp_region_0",
+             "model.layers.2: calls autosp_region_1_r10 (sequence-aware admits 1 of its 2 "
+             "matmuls, chosen over every layer)", "model.layers.3: calls autosp_region_1_r10",
+             "model.layers.4: not outlined: it writes in place",
+             "model.layers.5: not outlined: no other layer is alike"]
+    assert regions_line(lines) == (
+        "regions: 4 of 6 layers call 2 shared compiled subgraphs; 2 stay inline "
+        "(first: model.layers.4: not outlined: it writes in place)")

@@ -31,7 +31,7 @@ from autosp.train.data import Batches, target_count, with_one_target
 from autosp.errors import MESSAGE_MARK, AutospError
 from autosp.remat import MemoryBudget, Offload, RematReport
 from autosp.train.metrics import (MetricsLog, StepTimer, human_bytes, peak_memory_bytes, peak_tflops,
-                                  progress_line)
+                                  progress_line, regions_line)
 from autosp.train.predict import choose_strategy, predicted_peak
 from autosp.train.model import (attention_note, build_model, check_attends_within_documents,
                                 position_table_size)
@@ -279,6 +279,9 @@ def _loop(cfg: TrainConfig, rank: int, world_size: int, sp_size: int, device: to
             log.write(rec)
             print(progress_line(rec, t.steps) + ("  (includes compilation)" if step == start else ""),
                   flush=True)
+            if step == start and (said := regions_line(getattr(compiled.last_compile, "outlined",
+                                                               None))):
+                print(said, flush=True)
         stop = total[1].item() > 0
         every = cfg.checkpoint.every
         if stop or step == t.steps - 1 or (every and (step + 1) % every == 0):

@@ -132,3 +132,22 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def regions_line(outlined: list[str] | None) -> str | None:
+    """One line on what ``training.regions`` did in the first compile, from
+    ``SequenceParallelModule.last_compile.outlined`` (a line per layer, or one reason for the
+    whole graph): how many layers call a shared compiled subgraph, and why the first of the
+    others stays inline. None without regions (or without a record)."""
+    if not outlined:
+        return None
+    if len(outlined) == 1 and outlined[0].startswith("no layer outlined"):
+        return f"regions: {outlined[0]}"
+    calls = [line for line in outlined if ": calls " in line]
+    inline = [line for line in outlined if ": not outlined: " in line]
+    names = {line.split(": calls ", 1)[1].split(" ", 1)[0] for line in calls}
+    line = (f"regions: {len(calls)} of {len(calls) + len(inline)} layers call "
+            f"{len(names)} shared compiled subgraph{'s' if len(names) != 1 else ''}")
+    if inline:
+        line += f"; {len(inline)} stay inline (first: {inline[0]})"
+    return line
