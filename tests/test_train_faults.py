@@ -248,3 +248,27 @@ def test_resume_with_another_position_table_is_refused(tmp_path: Path) -> None:
     assert same == "3"
     assert "max_position None (now 4)" in added, added
     assert older == "6"  # a checkpoint written before the layout held the table still resumes
+
+
+def _missing_key_worker(rank: int, world: int, folder: str) -> str:
+    from autosp.errors import AutospError
+
+    def parts(model: torch.nn.Module) -> tuple:
+        optimizer = torch.optim.AdamW(model.parameters())
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    path = ckpt.save(folder, *parts(torch.nn.Sequential(torch.nn.Linear(4, 4))), 1, {"dp": 1})
+    try:
+        ckpt.load(path, *parts(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))),
+                  {"dp": 1})
+    except AutospError as e:
+        return str(e)
+    return ""
+
+
+def test_resume_into_a_deeper_model_names_the_missing_key(tmp_path: Path) -> None:
+    """A checkpoint of one layer loaded into two: the refusal names the missing parameter,
+    not the source line of PyTorch's that formats it ("{fqn}", found by breaker helper-90)."""
+    [text] = run_ranks(1, _missing_key_worker, str(tmp_path))
+    assert "does not fit this run's model" in text and "1.weight" in text, text
+    assert "{fqn}" not in text, text

@@ -133,8 +133,11 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
                            optim_state_dict=state["optim"])
     except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
         text = str(e).strip()
-        found = re.search(r"(Size mismatch[^\n]*|Missing key[^\n]*|Unexpected key[^\n]*)", text)
-        first = (found.group(1) if found else text.splitlines()[0] if text else type(e).__name__)[:300]
+        # the message's own line, not a source line of PyTorch's quoted in a traceback
+        # ("{fqn}", found by breaker helper-90)
+        found = [m for m in re.findall(r"(Size mismatch[^\n]*|Missing key[^\n]*|Unexpected key[^\n]*)",
+                                       text) if "{" not in m]
+        first = (found[0] if found else text.splitlines()[0] if text else type(e).__name__)[:300]
         raise AutospError(f"[autosp:train] checkpoint.resume = {path!r}: found a checkpoint that "
                           f"does not fit this run's model ({first}); expected one written by "
                           "autosp train with the same [model]") from None
