@@ -93,10 +93,11 @@ def _saved_keys(path: str) -> set[str] | None:
         return None
 
 
-def _check_optimizer_kind(path: str, optimizer: torch.optim.Optimizer) -> None:
+def _check_optimizer_kind(path: str, keys: set[str] | None,
+                          optimizer: torch.optim.Optimizer) -> None:
     """An OffloadOptimizer's state (with its master weights) and AdamW's are stored differently:
-    say which setting wrote the checkpoint rather than DCP's missing keys."""
-    keys = _saved_keys(path)
+    say which setting wrote the checkpoint rather than DCP's missing keys. ``keys``: the
+    checkpoint's (``_saved_keys``)."""
     if keys is None:  # unreadable: DCP's own load reports it
         return
     saved = any(k.startswith("optim.master_weights") for k in keys)
@@ -115,10 +116,10 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     Raises AutospError when the checkpoint is another model's, or was written with another
     data layout (a resumed run draws its batches by step: another layout would train on other
     data than the uninterrupted run)."""
-    _check_optimizer_kind(path, optimizer)
+    keys = _saved_keys(path)
+    _check_optimizer_kind(path, keys, optimizer)
     # DCP loads the keys asked for: ask for the saved layout's keys (one this run lacks is
     # still compared), not this run's (one a checkpoint from before it lacks is not an error)
-    keys = _saved_keys(path)
     prefix = "train.layout."
     asked = dict(layout) if keys is None else \
         {k[len(prefix):]: None for k in keys if k.startswith(prefix)}
